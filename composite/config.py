@@ -1,0 +1,203 @@
+"""The export configuration: YAML file + command-line overrides, validated before any work starts.
+
+YAML keys (all optional):
+  checkpoint, params, tokenizer   paths; no checkpoint means the embedded default
+  max_seq_len                     KV cache length (positions), default 512
+  prefill_len                     tokens per call of each shard's prefill method, default 32
+  shards                          number of shards, default 1
+  layers_per_shard                explicit decoder-layer count per shard (else balanced by bytes)
+  placement                       backend per shard: one name for all, a list, or a mapping
+                                  {default: xnnpack, 2: qnn}; list items may be mappings with
+                                  per-shard options, e.g. {backend: xnnpack, quantize: 8da4w}
+  xnnpack: {quantize, group_size} defaults for XNNPACK shards (quantize: none | 8da4w)
+  qnn: {soc, precision, ...}      defaults for QNN shards
+  output                          artifacts folder, default "artifacts"
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from composite.errors import UserError
+
+BACKENDS = ("xnnpack", "portable", "qnn")
+XNNPACK_QUANTIZE = ("none", "8da4w")
+QNN_SOCS = ("SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
+QNN_PRECISIONS = ("fp16", "16a4w", "16a8w", "8a8w", "16a16w")
+
+TOP_LEVEL_KEYS = (
+    "checkpoint", "params", "tokenizer", "max_seq_len", "prefill_len", "shards",
+    "layers_per_shard", "placement", "xnnpack", "qnn", "output",
+)
+BACKEND_OPTION_KEYS = {
+    "xnnpack": ("quantize", "group_size"),
+    "portable": (),
+    "qnn": ("soc", "precision", "overrides", "calibration", "skip_ops", "skip_node_ids"),
+}
+DEFAULT_OPTIONS = {
+    "xnnpack": {"quantize": "none", "group_size": 32},
+    "portable": {},
+    "qnn": {"soc": "SM8650", "precision": "fp16"},
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    backend: str
+    options: dict = field(default_factory=dict, hash=False)
+
+    def describe(self) -> str:
+        extras = [str(v) for k, v in self.options.items() if k in ("quantize", "precision") and v != "none"]
+        return "+".join([self.backend, *extras])
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: str | None = None
+    params: str | None = None
+    tokenizer: str | None = None
+    max_seq_len: int = 512
+    prefill_len: int = 32
+    shards: int = 1
+    layers_per_shard: list[int] | None = None
+    placement: object = "xnnpack"  # as written; resolved by `placements()`
+    xnnpack: dict = field(default_factory=dict)
+    qnn: dict = field(default_factory=dict)
+    output: str = "artifacts"
+
+    def placements(self) -> list[Placement]:
+        """One resolved Placement per shard."""
+        n = self.shards
+        spec = self.placement
+        if isinstance(spec, str):
+            entries = [spec] * n
+        elif isinstance(spec, list):
+            if len(spec) != n:
+                raise UserError(f"placement lists {len(spec)} backends but there are {n} shards")
+            entries = list(spec)
+        elif isinstance(spec, dict):
+            default = spec.get("default", "xnnpack")
+            entries = [default] * n
+            for key, value in spec.items():
+                if key == "default":
+                    continue
+                if not isinstance(key, int) or isinstance(key, bool):
+                    raise UserError(f"placement key {key!r} must be a shard index or 'default'")
+                if not 0 <= key < n:
+                    raise UserError(f"placement names shard {key}, but there are only {n} shards (0 to {n - 1})")
+                entries[key] = value
+        else:
+            raise UserError("placement must be a backend name, a list, or a mapping of shard index to backend")
+        return [self._resolve(i, entry) for i, entry in enumerate(entries)]
+
+    def _resolve(self, index: int, entry) -> Placement:
+        where = f"placement of shard {index}"
+        if isinstance(entry, str):
+            backend, overrides = entry, {}
+        elif isinstance(entry, dict):
+            if "backend" not in entry:
+                raise UserError(f"{where} needs a 'backend' key")
+            backend = entry["backend"]
+            overrides = {k: v for k, v in entry.items() if k != "backend"}
+        else:
+            raise UserError(f"{where} must be a backend name or a mapping, got {entry!r}")
+        if backend not in BACKENDS:
+            raise UserError(f"unknown backend '{backend}' in {where}{_suggest(str(backend), BACKENDS)} (known: {', '.join(BACKENDS)})")
+        _check_keys(overrides, BACKEND_OPTION_KEYS[backend], where)
+        section = {"xnnpack": self.xnnpack, "qnn": self.qnn}.get(backend, {})
+        options = {**DEFAULT_OPTIONS[backend], **section, **overrides}
+        _check_backend_options(backend, options, where)
+        return Placement(backend, options)
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_keys(mapping: dict, allowed, where: str) -> None:
+    for key in mapping:
+        if key not in allowed:
+            valid = ", ".join(allowed) if allowed else "none"
+            raise UserError(f"unknown key '{key}' in {where}{_suggest(str(key), allowed)}; valid keys: {valid}")
+
+
+def _check_backend_options(backend: str, options: dict, where: str) -> None:
+    if backend == "xnnpack":
+        if options["quantize"] not in XNNPACK_QUANTIZE:
+            raise UserError(f"{where}: xnnpack quantize must be one of {', '.join(XNNPACK_QUANTIZE)}, got {options['quantize']!r}")
+        size = options["group_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise UserError(f"{where}: group_size must be a non-negative integer (0 = per channel), got {size!r}")
+    if backend == "qnn":
+        if options["soc"] not in QNN_SOCS:
+            raise UserError(f"{where}: unknown SoC {options['soc']!r}{_suggest(str(options['soc']), QNN_SOCS)}; supported: {', '.join(QNN_SOCS)}")
+        if options["precision"] not in QNN_PRECISIONS:
+            raise UserError(f"{where}: qnn precision must be one of {', '.join(QNN_PRECISIONS)}, got {options['precision']!r}")
+
+
+def _positive_int(value, name: str, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UserError(f"config {path} does not exist") from None
+    except OSError as e:
+        raise UserError(f"cannot read config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config {path} is not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid syntax"
+        raise UserError(f"config {path} is not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config {path} must be a mapping of keys to values")
+    return data
+
+
+def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
+    """YAML values, then command-line overrides (those not None), validated."""
+    data = load_yaml(yaml_path) if yaml_path else {}
+    _check_keys(data, TOP_LEVEL_KEYS, f"config {yaml_path}")
+    for section in ("xnnpack", "qnn"):
+        if section in data:
+            if not isinstance(data[section], dict):
+                raise UserError(f"'{section}' in config {yaml_path} must be a mapping")
+            _check_keys(data[section], BACKEND_OPTION_KEYS[section], f"'{section}' of config {yaml_path}")
+    values = {**data, **{k: v for k, v in overrides.items() if v is not None}}
+    if overrides.get("shards") is not None and "placement" in data and overrides.get("placement") is None:
+        if isinstance(data["placement"], list) and len(data["placement"]) != overrides["shards"]:
+            raise UserError(
+                f"--shards {overrides['shards']} conflicts with the config's placement of "
+                f"{len(data['placement'])} shards; pass --placement too"
+            )
+    config = ExportConfig(**values)
+    # Paths are relative to the working directory, as on the command line.
+    for key in ("checkpoint", "params", "tokenizer", "output"):
+        if getattr(config, key) is not None:
+            setattr(config, key, os.path.expanduser(str(getattr(config, key))))
+    config.shards = _positive_int(config.shards, "shards")
+    config.max_seq_len = _positive_int(config.max_seq_len, "max_seq_len", 2)
+    config.prefill_len = _positive_int(config.prefill_len, "prefill_len")
+    if config.prefill_len > config.max_seq_len:
+        raise UserError(f"prefill_len {config.prefill_len} exceeds max_seq_len {config.max_seq_len}")
+    if config.layers_per_shard is not None and (
+        not isinstance(config.layers_per_shard, list)
+        or not all(isinstance(c, int) and not isinstance(c, bool) for c in config.layers_per_shard)
+    ):
+        raise UserError("layers_per_shard must be a list of integers, one per shard")
+    config.placements()  # validate now, before any slow work
+    return config

@@ -1,0 +1,287 @@
+"""python -m composite.export: cut a LLaMA into N shards and lower each to its own .pte.
+
+Artifacts are written into a staging folder beside the target and renamed into place only when
+complete, so a failed export never leaves a folder that looks usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from composite import quiet
+
+quiet.silence_library_noise()
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from composite import manifest as manifest_schema  # noqa: E402
+from composite.config import ExportConfig, Placement, build_config  # noqa: E402
+from composite.errors import UserError, exits_cleanly  # noqa: E402
+from composite.manifest import DECODE, PREFILL  # noqa: E402
+from composite.model.checkpoint import LoadedModel, load_checkpoint  # noqa: E402
+from composite.split.plan import ShardSpec, plan_shards  # noqa: E402
+from composite.split.shard import ShardModule, shard_io  # noqa: E402
+from composite.tokenizer import Tokenizer  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m composite.export", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="YAML config (flags below override it)")
+    p.add_argument("--shards", type=int, help="number of shards (default 1)")
+    p.add_argument("--placement", help="backend per shard, comma separated (xnnpack,portable,qnn), or one for all")
+    p.add_argument("--layers-per-shard", help="explicit decoder layers per shard, comma separated, e.g. 0,3,3,0")
+    p.add_argument("--checkpoint", help="Meta .pth/.pt (+ params.json) or Hugging Face folder; none = embedded default")
+    p.add_argument("--params", help="params.json for a Meta checkpoint")
+    p.add_argument("--tokenizer", help="tokenizer.model (SentencePiece or tiktoken) or tokenizer.json")
+    p.add_argument("--max-seq-len", type=int, help="KV cache length (default 512)")
+    p.add_argument("--prefill-len", type=int, help="tokens per prefill call (default 32)")
+    p.add_argument("--quantize", choices=["none", "8da4w"], help="XNNPACK weight quantization")
+    p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
+    p.add_argument("--output", help="artifacts folder (default ./artifacts)")
+    return p.parse_args(argv)
+
+
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got '{text}'") from None
+
+
+def config_from_args(args) -> ExportConfig:
+    placement = None
+    if args.placement is not None:
+        names = [x.strip() for x in args.placement.split(",")]
+        placement = names[0] if len(names) == 1 else names
+    overrides = {
+        "shards": args.shards,
+        "placement": placement,
+        "layers_per_shard": _int_list(args.layers_per_shard, "--layers-per-shard"),
+        "checkpoint": args.checkpoint,
+        "params": args.params,
+        "tokenizer": args.tokenizer,
+        "max_seq_len": args.max_seq_len,
+        "prefill_len": args.prefill_len,
+        "output": args.output,
+    }
+    config = build_config(args.config, overrides)
+    if args.quantize is not None:
+        config.xnnpack["quantize"] = args.quantize
+    if args.group_size is not None:
+        config.xnnpack["group_size"] = args.group_size
+    config.placements()
+    return config
+
+
+def resolve_tokenizer(config: ExportConfig, loaded: LoadedModel) -> Tokenizer | None:
+    path = config.tokenizer or loaded.tokenizer_path
+    if path is None:
+        print("note: no tokenizer found beside the checkpoint; runners will need --prompt-ids", file=sys.stderr)
+        return None
+    tokenizer = Tokenizer(Path(path))
+    vocab = loaded.model.args.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise UserError(
+            f"tokenizer {path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {vocab}: "
+            "wrong tokenizer for this checkpoint?"
+        )
+    if tokenizer.vocab_size < vocab:
+        print(f"note: tokenizer has {tokenizer.vocab_size} tokens, the model {vocab} (padded vocabulary)", file=sys.stderr)
+    return tokenizer
+
+
+def method_inputs(args, spec: ShardSpec, config: ExportConfig) -> dict[str, tuple]:
+    return {
+        name: tuple(t.example() for t in shard_io(args, spec, n, config.max_seq_len)[0])
+        for name, n in (("decode", 1), ("prefill", config.prefill_len))
+    }
+
+
+def export_shard(model, spec: ShardSpec, placement: Placement, config: ExportConfig, staging: Path) -> dict:
+    from composite.lowering import lower_shard
+
+    module = ShardModule(model, spec).eval()
+    started = time.perf_counter()
+    lowered = lower_shard(module, method_inputs(model.args, spec, config), placement)
+    seconds = time.perf_counter() - started
+    file_name = f"shard_{spec.index:02d}.pte"
+    path = staging / file_name
+    path.write_bytes(lowered.buffer)
+    methods = {DECODE: 1, PREFILL: config.prefill_len}
+    io = {}
+    for method, n_tokens in methods.items():
+        inputs, outputs = shard_io(model.args, spec, n_tokens, config.max_seq_len)
+        io[method] = {"inputs": manifest_schema.tensor_entries(inputs), "outputs": manifest_schema.tensor_entries(outputs)}
+    return {
+        "index": spec.index,
+        "file": file_name,
+        "sha256": manifest_schema.sha256_file(path),
+        "size": path.stat().st_size,
+        "layers": [spec.layer_start, spec.layer_end],
+        "has_embedding": spec.has_embedding,
+        "has_head": spec.has_head,
+        "placement": {"backend": placement.backend, "options": placement.options},
+        "backends": lowered.backends,
+        "delegates": lowered.delegates,
+        "cpu_ops": lowered.cpu_ops,
+        "io": io,
+        "export_seconds": round(seconds, 2),
+        "notes": lowered.notes,
+    }
+
+
+def check_against_runtime(staging: Path, shard: dict) -> None:
+    """The lowered program's own method metadata must match what the manifest promises."""
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(staging / shard["file"])
+    # ExecuTorch ScalarType codes
+    names = {6: "float32", 4: "int64", 5: "float16", 3: "int32", 0: "uint8", 27: "uint16"}
+    for method, io in shard["io"].items():
+        meta = program.metadata(method)
+        for kind, count, get in (("inputs", meta.num_inputs(), meta.input_tensor_meta),
+                                 ("outputs", meta.num_outputs(), meta.output_tensor_meta)):
+            expected = io[kind]
+            if count != len(expected):
+                raise RuntimeError(f"shard {shard['index']} {method}: {count} {kind}, manifest says {len(expected)}")
+            for i, entry in enumerate(expected):
+                info = get(i)
+                dtype = names.get(int(info.dtype()), str(info.dtype()))
+                if list(info.sizes()) != entry["shape"] or dtype != entry["dtype"]:
+                    raise RuntimeError(
+                        f"shard {shard['index']} {method} {kind[:-1]} {entry['name']}: program has "
+                        f"{list(info.sizes())} {dtype}, manifest says {entry['shape']} {entry['dtype']}"
+                    )
+
+
+def versions() -> dict:
+    import executorch.version
+    import torchao
+
+    import composite
+
+    return {
+        "composite": composite.__version__,
+        "torch": torch.__version__,
+        "executorch": executorch.version.__version__,
+        "torchao": torchao.__version__,
+    }
+
+
+def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: ExportConfig, shards: list[dict]) -> dict:
+    args = loaded.model.args
+    k_shape = [1, args.n_kv_heads, args.head_dim, config.max_seq_len]
+    v_shape = [1, args.n_kv_heads, config.max_seq_len, args.head_dim]
+    bos = loaded.bos_id if loaded.bos_id is not None else (tokenizer.bos_id if tokenizer else None)
+    eos = list(loaded.eos_ids) or (list(tokenizer.eos_ids) if tokenizer else [])
+    tokenizer_entry = None
+    if tokenizer is not None:
+        tokenizer_entry = {"file": tokenizer.path.name, "type": tokenizer.kind, "sha256": manifest_schema.sha256_file(tokenizer.path)}
+    return {
+        "format": manifest_schema.FORMAT,
+        "version": manifest_schema.VERSION,
+        "export_id": uuid.uuid4().hex,
+        "model": args.to_dict(),
+        "source": {"kind": loaded.kind, "path": loaded.path},
+        "max_seq_len": config.max_seq_len,
+        "methods": {DECODE: 1, PREFILL: config.prefill_len},
+        "kv_cache": {
+            "dtype": "float32",
+            "k_shape": k_shape,
+            "v_shape": v_shape,
+            "k_new_shape": "[1, n_kv_heads, head_dim, T]",
+            "v_new_shape": "[1, n_kv_heads, T, head_dim]",
+        },
+        "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": manifest_schema.MASK_HIDDEN},
+        "tokenizer": tokenizer_entry,
+        "bos_id": bos,
+        "eos_ids": eos,
+        "shards": shards,
+        "versions": versions(),
+    }
+
+
+def print_summary(shards: list[dict], total_seconds: float, output: Path) -> None:
+    rows = [("shard", "layers", "backend", "delegates", "size", "seconds")]
+    for s in shards:
+        first, end = s["layers"]
+        parts = (["emb"] if s["has_embedding"] else []) + ([f"L{first}-L{end - 1}"] if end > first else []) + (["head"] if s["has_head"] else [])
+        backend = s["placement"]["backend"] + (f"+{s['placement']['options']['quantize']}" if s["placement"]["options"].get("quantize", "none") != "none" else "")
+        rows.append((str(s["index"]), " ".join(parts), backend, ",".join(s["backends"]) or "none",
+                     f"{s['size'] / 1e6:.2f} MB", f"{s['export_seconds']:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
+    total = sum(s["size"] for s in shards)
+    print(f"{len(shards)} shards, {total / 1e6:.2f} MB, {total_seconds:.1f} s -> {output}")
+
+
+def run_export(config: ExportConfig) -> Path:
+    started = time.perf_counter()
+    placements = config.placements()
+    if any(p.backend == "qnn" for p in placements):
+        from composite.lowering import qnn
+
+        qnn.require_support()
+    output = Path(config.output)
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} exists and is not a folder")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    loaded = load_checkpoint(config.checkpoint, config.params)
+    args = loaded.model.args
+    specs = plan_shards(args, config.shards, config.layers_per_shard)
+    tokenizer = resolve_tokenizer(config, loaded)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        shards = []
+        for spec, placement in tqdm(list(zip(specs, placements)), desc="lowering shards", unit="shard", file=sys.stderr):
+            shards.append(export_shard(loaded.model, spec, placement, config, staging))
+            check_against_runtime(staging, shards[-1])
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer.path, staging / tokenizer.path.name)
+        manifest_schema.write(staging, build_manifest(loaded, tokenizer, config, shards))
+        replace_folder(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    print_summary(shards, time.perf_counter() - started, output)
+    return output
+
+
+def replace_folder(staging: Path, output: Path) -> None:
+    """Move the complete staging folder to `output`; an older export there is swapped out whole."""
+    os.chmod(staging, 0o755)
+    if not output.exists():
+        os.rename(staging, output)
+        return
+    if not (output / manifest_schema.FILENAME).exists() and any(output.iterdir()):
+        raise UserError(f"--output {output} is a non-empty folder that is not a composite export; refusing to replace it")
+    retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+    os.rename(output, retired / "artifacts")
+    os.rename(staging, output)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        run_export(config_from_args(args))
+    except OSError as e:
+        if e.errno == 28:
+            raise UserError(f"out of disk space while writing the export ({e.filename or 'artifacts'}); nothing was replaced") from None
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Lower one shard to one .pte with the backend its placement names.
+
+Every backend module exposes `lower(module, example_inputs, options) -> ExecutorchProgramManager`,
+where example_inputs maps method name -> tuple of example tensors. What ends up delegated is read
+back from the lowered program, never assumed from the placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from composite.config import Placement
+
+
+@dataclass
+class LoweredShard:
+    buffer: bytes
+    delegates: dict[str, dict[str, int]]  # method -> backend id -> number of delegate calls
+    cpu_ops: dict[str, list[str]]  # method -> operators run by ExecuTorch's CPU kernels
+    notes: list[str]  # e.g. linears left unquantized
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted({backend for per_method in self.delegates.values() for backend in per_method})
+
+
+def inspect_program(manager) -> tuple[dict, dict]:
+    program = manager.executorch_program
+    delegates, cpu_ops = {}, {}
+    for plan in program.execution_plan:
+        counts: dict[str, int] = {}
+        ops: set[str] = set()
+        for chain in plan.chains:
+            for instruction in chain.instructions:
+                args = instruction.instr_args
+                if hasattr(args, "delegate_index"):
+                    backend = plan.delegates[args.delegate_index].id
+                    counts[backend] = counts.get(backend, 0) + 1
+                elif hasattr(args, "op_index"):
+                    op = plan.operators[args.op_index]
+                    ops.add(f"{op.name}.{op.overload}" if op.overload else op.name)
+        delegates[plan.name] = counts
+        cpu_ops[plan.name] = sorted(ops)
+    return delegates, cpu_ops
+
+
+def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) -> dict:
+    with torch.no_grad():
+        return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
+
+
+def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], placement: Placement) -> LoweredShard:
+    if placement.backend == "xnnpack":
+        from composite.lowering import xnnpack as backend
+    elif placement.backend == "portable":
+        from composite.lowering import portable as backend
+    else:
+        from composite.lowering import qnn as backend
+    manager, notes = backend.lower(module, example_inputs, placement.options)
+    delegates, cpu_ops = inspect_program(manager)
+    return LoweredShard(manager.buffer, delegates, cpu_ops, notes)

@@ -1,0 +1,11 @@
+"""No delegate: every operator runs on ExecuTorch's portable CPU kernels."""
+
+from __future__ import annotations
+
+from executorch.exir import to_edge_transform_and_lower
+
+from composite.lowering import export_methods
+
+
+def lower(module, example_inputs: dict, options: dict):
+    return to_edge_transform_and_lower(export_methods(module, example_inputs)).to_executorch(), []

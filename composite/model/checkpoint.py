@@ -1,0 +1,213 @@
+"""Load weights into `Transformer` from a Meta checkpoint, a Hugging Face folder, or the embedded
+default, and say clearly when they do not fit the hyper-parameters."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from composite.errors import UserError
+from composite.model.llama import ModelArgs, Transformer
+from composite.model.params import args_from_hf_config, args_from_meta_params, read_json
+
+# Keys found in real checkpoints that carry no weights we need.
+IGNORED_KEYS = ("rope.freqs",)
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    kind: str  # "embedded" | "meta" | "hf"
+    path: str | None  # the checkpoint path as given (None for the embedded default)
+    tokenizer_path: Path | None  # a tokenizer found beside the checkpoint, if any
+    bos_id: int | None = None  # from the checkpoint's own config, when it says
+    eos_ids: tuple[int, ...] = ()
+
+
+def meta_to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows from Meta's interleaved rotary pairs to the rotate-half layout."""
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    return weight.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path} does not exist") from None
+    except PermissionError:
+        raise UserError(f"checkpoint {path} is not readable (permission denied)") from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint: {first_line}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"checkpoint {path} does not hold a state dict")
+    return data
+
+
+def _fit_state_dict(model: Transformer, weights: dict[str, torch.Tensor], source: str, params_source: str) -> None:
+    """Copy `weights` into `model`, or fail naming the first tensor that does not fit."""
+    expected = model.state_dict()
+    if model.args.tie_embeddings:
+        expected.pop("output.weight", None)
+    for key in IGNORED_KEYS:
+        weights.pop(key, None)
+    for key, tensor in expected.items():
+        if key not in weights:
+            raise UserError(f"{source} has no tensor '{key}' that {params_source} implies")
+        got = tuple(weights[key].shape)
+        if got != tuple(tensor.shape):
+            raise UserError(
+                f"{source}: '{key}' has shape {list(got)} but {params_source} implies {list(tensor.shape)}"
+            )
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise UserError(f"{source} has tensors that {params_source} does not describe, e.g. '{unexpected[0]}'")
+    with torch.no_grad():
+        for key, tensor in expected.items():
+            tensor.copy_(weights[key].to(torch.float32))
+
+
+def load_meta(checkpoint: Path, params_path: Path | None) -> LoadedModel:
+    if checkpoint.is_dir():
+        files = sorted(checkpoint.glob("consolidated.*.pth"))
+        if not files:
+            raise UserError(f"{checkpoint} is a folder without consolidated.00.pth or config.json")
+        if len(files) > 1:
+            raise UserError(f"{checkpoint} holds {len(files)} model-parallel files; merge them into one first")
+        checkpoint = files[0]
+    if not checkpoint.exists():
+        raise UserError(f"checkpoint {checkpoint} does not exist")
+    data = _torch_load(checkpoint)
+    # llama2.c checkpoints (stories*.pt) wrap the weights and carry their own hyper-parameters.
+    embedded_params = data.get("model_args") if isinstance(data.get("model_args"), dict) else None
+    weights = data["model"] if isinstance(data.get("model"), dict) else data
+    weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    if not weights:
+        raise UserError(f"checkpoint {checkpoint} holds no tensors")
+    if params_path is None and (checkpoint.parent / "params.json").exists():
+        params_path = checkpoint.parent / "params.json"
+    if params_path is not None:
+        params, params_source = read_json(params_path), str(params_path)
+    elif embedded_params is not None:
+        params, params_source = embedded_params, f"{checkpoint}'s model_args"
+    else:
+        raise UserError(f"no params.json beside {checkpoint}; pass --params PATH")
+    embedding = weights.get("tok_embeddings.weight")
+    args = args_from_meta_params(params, Path(params_source), None if embedding is None else embedding.shape[0])
+    if "output.weight" not in weights and not args.tie_embeddings:
+        # Meta's Llama 3.2 1B/3B checkpoints leave the tied output projection out.
+        args = ModelArgs(**{**args.to_dict(), "tie_embeddings": True})
+    for i in range(args.n_layers):
+        for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
+            key = f"layers.{i}.attention.{name}.weight"
+            if key in weights and weights[key].shape[0] == heads * args.head_dim:
+                weights[key] = meta_to_rotate_half(weights[key], heads)
+    model = Transformer(args)
+    _fit_state_dict(model, weights, str(checkpoint), params_source)
+    tokenizer = checkpoint.parent / "tokenizer.model"
+    return LoadedModel(model.eval(), "meta", str(checkpoint), tokenizer if tokenizer.exists() else None)
+
+
+HF_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_LAYER_NAMES = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def hf_to_meta_name(name: str) -> str:
+    if name in HF_NAMES:
+        return HF_NAMES[name]
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
+        inner = ".".join(parts[3:-1])
+        if inner in HF_LAYER_NAMES:
+            return f"layers.{parts[2]}.{HF_LAYER_NAMES[inner]}.{parts[-1]}"
+    return name
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} has config.json but no *.safetensors weights")
+    for f in files:
+        if not f.exists():
+            raise UserError(f"{f} is listed in the safetensors index but does not exist")
+    return files
+
+
+def load_hf(folder: Path) -> LoadedModel:
+    from safetensors import SafetensorError, safe_open
+
+    config = read_json(folder / "config.json")
+    args = args_from_hf_config(config, folder / "config.json")
+    weights: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    weights[hf_to_meta_name(name)] = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{path} is corrupt or unreadable: {e}") from None
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    model = Transformer(args)
+    _fit_state_dict(model, weights, str(folder), str(folder / "config.json"))
+    tokenizer = None
+    for candidate in ("tokenizer.model", "original/tokenizer.model", "tokenizer.json"):
+        if (folder / candidate).exists():
+            tokenizer = folder / candidate
+            break
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return LoadedModel(model.eval(), "hf", str(folder), tokenizer, config.get("bos_token_id"), eos_ids)
+
+
+def load_checkpoint(checkpoint: str | None, params: str | None) -> LoadedModel:
+    """The model named by --checkpoint/--params; the embedded default when no checkpoint is given."""
+    if checkpoint is None:
+        if params is not None:
+            raise UserError("--params needs --checkpoint")
+        from composite.model.default import load_default
+
+        return load_default()
+    path = Path(checkpoint)
+    if not path.exists():
+        raise UserError(f"checkpoint {path} does not exist")
+    if path.is_dir() and (path / "config.json").exists():
+        if params is not None:
+            raise UserError("--params is for Meta checkpoints; a Hugging Face folder has its config.json")
+        return load_hf(path)
+    return load_meta(path, Path(params) if params else None)
+
+
+def describe_source(loaded: LoadedModel) -> dict:
+    return {"kind": loaded.kind, "path": loaded.path}
+
+
+def dumps_args(args: ModelArgs) -> str:
+    return json.dumps(args.to_dict(), sort_keys=True)

@@ -1,0 +1,139 @@
+"""python -m composite.run: generate with an export's shards on the host (ExecuTorch Python runtime)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from composite import quiet
+
+quiet.silence_library_noise()
+
+from composite import manifest as manifest_schema  # noqa: E402
+from composite.errors import UserError, exits_cleanly  # noqa: E402
+from composite.runtime.sampler import Sampler  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m composite.run", description=__doc__.split(":", 1)[1].strip())
+    p.add_argument("--artifacts", required=True, help="export folder (holds manifest.json)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (BOS added per the manifest)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated, used as given")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--reference", action="store_true", help="run the unsplit eager PyTorch model instead")
+    p.add_argument("--verify", action="store_true", help="check every shard's sha256 before loading")
+    return p.parse_args(argv)
+
+
+def prompt_tokens(args, manifest: dict, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got '{args.prompt_ids}'") from None
+        vocab = manifest["model"]["vocab_size"]
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise UserError(f"--prompt-ids holds {bad[0]}, outside the vocabulary 0..{vocab - 1}")
+        return ids
+    if tokenizer is None:
+        raise UserError("this export has no tokenizer: use --prompt-ids")
+    if not args.prompt:
+        raise UserError("the prompt is empty")
+    return tokenizer.encode(args.prompt, bos=manifest.get("bos_id") is not None)
+
+
+def load_tokenizer(folder: Path, manifest: dict):
+    entry = manifest.get("tokenizer")
+    if not entry:
+        return None
+    from composite.tokenizer import Tokenizer
+
+    return Tokenizer(folder / entry["file"], entry["type"])
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, holding back bytes of an unfinished UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[len(self.printed):])
+        sys.stdout.flush()
+        self.printed = text
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not 0.0 < args.top_p <= 1.0:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    folder = Path(args.artifacts)
+    manifest = manifest_schema.read(folder)
+    tokenizer = load_tokenizer(folder, manifest)
+    prompt = prompt_tokens(args, manifest, tokenizer)
+    sampler = Sampler(args.temperature, args.top_p, args.seed)
+    eos = tuple(manifest["eos_ids"])
+    stream = TextStream(tokenizer) if tokenizer is not None and not args.json else None
+    load_seconds = 0.0
+    shard_seconds = None
+    if args.reference:
+        from composite.runtime.reference import generate_reference, reference_model
+
+        generation = generate_reference(reference_model(manifest), prompt, args.max_new_tokens,
+                                        manifest["max_seq_len"], sampler, eos, on_token=stream)
+    else:
+        from composite.runtime.chain import ShardChain
+        from composite.runtime.generate import generate
+
+        chain = ShardChain(folder, verify=args.verify)
+        load_seconds = chain.load_seconds
+        generation = generate(chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream)
+        shard_seconds = chain.shard_seconds
+    n_decode = len(generation.tokens) - 1
+    calls = n_decode + max(1, -(-len(prompt) // manifest["methods"]["prefill"]))
+    stats = {
+        "tokens": generation.tokens,
+        "prompt_tokens": len(prompt),
+        "text": tokenizer.decode(generation.tokens) if tokenizer is not None else None,
+        "stop_reason": generation.stop_reason,
+        "load_ms": round(load_seconds * 1000, 2),
+        "time_to_first_token_ms": round(generation.first_token_seconds * 1000, 2),
+        "prefill_tokens_per_s": round(len(prompt) / generation.prefill_seconds, 2) if generation.prefill_seconds else None,
+        "decode_tokens_per_s": round(n_decode / generation.decode_seconds, 2) if n_decode and generation.decode_seconds else None,
+        "shard_ms_per_call": [round(s * 1000 / calls, 3) for s in shard_seconds] if shard_seconds else None,
+        "runner": "reference" if args.reference else "composite.run",
+    }
+    if args.json:
+        print(json.dumps(stats))
+        return
+    if stream is None:
+        print(" ".join(map(str, generation.tokens)))
+    else:
+        print()
+    if generation.stop_reason == "max_seq_len":
+        print(f"stopped: reached max_seq_len {manifest['max_seq_len']}", file=sys.stderr)
+    print(
+        f"prompt {len(prompt)} tokens, generated {len(generation.tokens)} ({generation.stop_reason}); "
+        f"prefill {stats['prefill_tokens_per_s']} tok/s, decode {stats['decode_tokens_per_s']} tok/s, "
+        f"first token {stats['time_to_first_token_ms']} ms",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

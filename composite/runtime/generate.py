@@ -1,0 +1,77 @@
+"""Prefill the prompt in chunks of the prefill method, then decode one token per call."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from composite.errors import UserError
+from composite.manifest import DECODE, PREFILL
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated ids
+    logits: list[torch.Tensor] = field(default_factory=list)  # per prompt position, then per step
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    stop_reason: str = ""
+
+
+def check_lengths(prompt: list[int], max_new_tokens: int, max_seq_len: int) -> None:
+    if not prompt:
+        raise UserError("the prompt is empty")
+    if len(prompt) >= max_seq_len:
+        raise UserError(f"the prompt has {len(prompt)} tokens but max_seq_len is {max_seq_len}: nothing left to generate")
+    if max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+
+
+def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation) -> torch.Tensor:
+    width = chain.methods[PREFILL]
+    last = None
+    for start in range(0, len(prompt), width):
+        chunk = prompt[start : start + width]
+        # A lone trailing token is cheaper through decode than padded through prefill.
+        method = DECODE if len(chunk) == 1 else PREFILL
+        logits = chain.forward(method, chunk, start)
+        if keep_logits:
+            generation.logits.extend(logits.clone())
+        last = logits[-1]
+    return last
+
+
+def generate(chain, prompt: list[int], max_new_tokens: int, sampler, eos_ids=(), keep_logits=False, on_token=None) -> Generation:
+    check_lengths(prompt, max_new_tokens, chain.max_seq_len)
+    chain.reset()
+    generation = Generation(list(prompt))
+    started = time.perf_counter()
+    logits = prefill(chain, prompt, keep_logits, generation)
+    token = sampler(logits)
+    generation.prefill_seconds = generation.first_token_seconds = time.perf_counter() - started
+    pos = len(prompt)
+    decode_started = time.perf_counter()
+    while True:
+        generation.tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in eos_ids:
+            generation.stop_reason = "eos"
+            break
+        if len(generation.tokens) >= max_new_tokens:
+            generation.stop_reason = "max_new_tokens"
+            break
+        if pos >= chain.max_seq_len:
+            generation.stop_reason = "max_seq_len"
+            break
+        logits = chain.forward(DECODE, [token], pos)[-1]
+        if keep_logits:
+            generation.logits.append(logits.clone())
+        token = sampler(logits)
+        pos += 1
+    generation.decode_seconds = time.perf_counter() - decode_started
+    return generation

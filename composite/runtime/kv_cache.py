@@ -1,0 +1,49 @@
+"""The KV cache the runner owns, and the attention mask that says which of its slots are valid."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """One k and one v tensor per layer, shaped as the manifest's kv_cache says, updated in place."""
+
+    def __init__(self, manifest: dict):
+        n_layers = manifest["model"]["n_layers"]
+        k_shape, v_shape = manifest["kv_cache"]["k_shape"], manifest["kv_cache"]["v_shape"]
+        self.max_seq_len = manifest["max_seq_len"]
+        self.k = [torch.zeros(k_shape, dtype=torch.float32) for _ in range(n_layers)]
+        self.v = [torch.zeros(v_shape, dtype=torch.float32) for _ in range(n_layers)]
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos: int, count: int) -> None:
+        """Store the first `count` new entries (k [1,kv,hd,T], v [1,kv,T,hd]) at slots pos.."""
+        self.k[layer][:, :, :, pos : pos + count] = k_new[:, :, :, :count]
+        self.v[layer][:, :, pos : pos + count, :] = v_new[:, :, :count, :]
+
+    def reset(self) -> None:
+        for t in (*self.k, *self.v):
+            t.zero_()
+
+
+class AttentionMask:
+    """Additive mask [T, max_seq_len + T] for a method of T tokens per call.
+
+    Cache columns are visible below the current position; the call's own T columns are causal.
+    Kept per method and updated in place: only the cache columns change between calls.
+    """
+
+    def __init__(self, n_tokens: int, max_seq_len: int, hidden: float):
+        self.max_seq_len, self.hidden = max_seq_len, hidden
+        self.tensor = torch.full((n_tokens, max_seq_len + n_tokens), hidden, dtype=torch.float32)
+        causal = torch.full((n_tokens, n_tokens), hidden).triu(1)
+        self.tensor[:, max_seq_len:] = causal
+        self.visible_until = 0
+
+    def at(self, pos: int) -> torch.Tensor:
+        """The mask for a call whose first token sits at position `pos`."""
+        if pos > self.visible_until:
+            self.tensor[:, self.visible_until : pos] = 0.0
+        elif pos < self.visible_until:
+            self.tensor[:, pos : self.visible_until] = self.hidden
+        self.visible_until = pos
+        return self.tensor

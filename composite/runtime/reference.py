@@ -1,0 +1,60 @@
+"""The unsplit eager PyTorch model, rebuilt from the export's source weights, for comparison."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from composite.errors import UserError
+from composite.model.llama import ModelArgs, Transformer
+from composite.runtime.generate import Generation, check_lengths
+
+
+def reference_model(manifest: dict) -> Transformer:
+    source = manifest["source"]
+    if source["kind"] == "embedded":
+        from composite.model.default import default_model
+
+        model = default_model(ModelArgs(**manifest["model"]))
+    else:
+        from composite.model.checkpoint import load_checkpoint
+
+        if source["path"] is None:
+            raise UserError("the manifest does not record the checkpoint path, so --reference cannot rebuild the model")
+        model = load_checkpoint(source["path"], None).model
+    if model.args.to_dict() != manifest["model"]:
+        raise UserError("the source checkpoint no longer matches the export's model hyper-parameters")
+    return model
+
+
+@torch.no_grad()
+def generate_reference(model: Transformer, prompt: list[int], max_new_tokens: int, max_seq_len: int, sampler,
+                       eos_ids=(), keep_logits=False, on_token=None) -> Generation:
+    """Greedy/sampled generation recomputing the full sequence every step (no cache at all)."""
+    check_lengths(prompt, max_new_tokens, max_seq_len)
+    generation = Generation(list(prompt))
+    sequence = list(prompt)
+    started = time.perf_counter()
+    while True:
+        logits = model.forward_full(torch.tensor([sequence]))[0]
+        if keep_logits:
+            generation.logits.extend(logits if not generation.logits else logits[-1:])
+        token = sampler(logits[-1])
+        if not generation.tokens:
+            generation.first_token_seconds = generation.prefill_seconds = time.perf_counter() - started
+        generation.tokens.append(token)
+        sequence.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in eos_ids:
+            generation.stop_reason = "eos"
+            break
+        if len(generation.tokens) >= max_new_tokens:
+            generation.stop_reason = "max_new_tokens"
+            break
+        if len(sequence) > max_seq_len:
+            generation.stop_reason = "max_seq_len"
+            break
+    generation.decode_seconds = time.perf_counter() - started - generation.prefill_seconds
+    return generation

@@ -1,0 +1,95 @@
+"""Where to cut: which decoder layers each shard owns.
+
+The model is a chain of units: [embedding, layer 0 .. layer L-1, head (final norm + output)].
+Shard 0 always owns the embedding and the last shard the head, so N shards are N contiguous,
+non-empty groups of that chain: 1 <= N <= L + 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composite.errors import UserError
+from composite.model.llama import ModelArgs
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    index: int
+    layer_start: int  # first decoder layer owned (inclusive)
+    layer_end: int  # one past the last decoder layer owned
+    has_embedding: bool
+    has_head: bool
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+
+def unit_bytes(args: ModelArgs) -> list[int]:
+    """Parameter bytes (fp32) of each unit of the chain, embedding first, head last."""
+    d, hd = args.dim, args.head_dim
+    attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads)
+    layer = attention + 3 * d * args.hidden_dim + 2 * d
+    embedding = args.vocab_size * d
+    head = args.vocab_size * d + d
+    return [4 * embedding] + [4 * layer] * args.n_layers + [4 * head]
+
+
+def _balanced_cuts(weights: list[int], n: int) -> list[int]:
+    """Split `weights` into n contiguous non-empty groups minimising the heaviest group.
+
+    Returns the group sizes. Ties go to the earliest cut, which keeps results stable.
+    """
+    count = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: minimal max-group weight splitting the first i units into k groups.
+    best = [[inf] * (count + 1) for _ in range(n + 1)]
+    cut = [[0] * (count + 1) for _ in range(n + 1)]
+    best[0][0] = 0
+    for k in range(1, n + 1):
+        for i in range(k, count - (n - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    sizes, i = [], count
+    for k in range(n, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return sizes[::-1]
+
+
+def plan_shards(args: ModelArgs, n_shards: int, layers_per_shard: list[int] | None = None) -> list[ShardSpec]:
+    n_layers = args.n_layers
+    if n_shards < 1 or n_shards > n_layers + 2:
+        raise UserError(
+            f"--shards {n_shards} is out of range: this model has {n_layers} layers, so 1 to "
+            f"{n_layers + 2} shards (embedding alone, one layer each, head alone)"
+        )
+    if layers_per_shard is not None:
+        counts = list(layers_per_shard)
+        if len(counts) != n_shards:
+            raise UserError(f"layers_per_shard has {len(counts)} entries but there are {n_shards} shards")
+        if any(c < 0 for c in counts) or sum(counts) != n_layers:
+            raise UserError(f"layers_per_shard {counts} must be non-negative and sum to the model's {n_layers} layers")
+        for i in range(1, n_shards - 1):
+            if counts[i] == 0:
+                raise UserError(f"layers_per_shard {counts}: middle shard {i} would own nothing")
+        if n_shards > 1 and counts[0] == 0 and counts[-1] == 0 and n_layers == 0:
+            raise UserError("a model without layers cannot be split")
+    else:
+        sizes = _balanced_cuts(unit_bytes(args), n_shards)
+        counts = list(sizes)
+        counts[0] -= 1  # the embedding unit
+        counts[-1] -= 1  # the head unit
+        if n_shards == 1:
+            counts = [n_layers]
+    specs, start = [], 0
+    for i, count in enumerate(counts):
+        specs.append(ShardSpec(i, start, start + count, has_embedding=i == 0, has_head=i == n_shards - 1))
+        start += count
+    return specs

@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="composite",
+    version="0.1.0",
+    description="Split LLaMA into ExecuTorch shards across Qualcomm QNN HTP and XNNPACK, and run the chain",
+    packages=find_packages(include=["composite", "composite.*"]),
+    package_data={"composite.model": ["data/*.txt"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+        "torch==2.13.0",
+        "executorch==1.5.1",
+        "torchao",
+        "pytorch-tokenizers",
+        "sentencepiece",
+        "safetensors",
+        "pyyaml",
+        "tqdm",
+        "cmake>=3.28",
+    ],
+    extras_require={"test": ["pytest", "transformers"]},
+)
