@@ -1,0 +1,100 @@
+"""Shared fixtures: tiny models and their exports, each made once per test session."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from composite import quiet
+
+quiet.silence_library_noise()
+
+from composite.config import build_config  # noqa: E402
+from composite.export import run_export  # noqa: E402
+from composite.model.llama import ModelArgs, Transformer  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SHARD_COUNTS = (1, 2, 3, 6)
+PREFILL_LEN = 12  # a 32-token prompt then takes two full chunks and one padded chunk
+MAX_SEQ_LEN = 96
+
+# Llama 3 style: grouped-query attention, rope_theta 500000 with Llama 3 scaling, tied embeddings,
+# 5 layers (not divisible by 2, 3 or 6).
+LLAMA3_PARAMS = {
+    "dim": 64, "n_layers": 5, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "multiple_of": 32,
+    "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": True,
+}
+
+
+def export(output: Path, **overrides) -> Path:
+    values = {"max_seq_len": MAX_SEQ_LEN, "prefill_len": PREFILL_LEN, "output": str(output), **overrides}
+    return run_export(build_config(None, values))
+
+
+def run_cli(module: str, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=REPO)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{module} {args} failed ({result.returncode}):\n{result.stderr}")
+    return result
+
+
+def rotate_half_to_meta(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of the loader's permutation: write weights the way Meta checkpoints store them."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def write_meta_checkpoint(folder: Path, params: dict, seed: int) -> Path:
+    from composite.model.params import args_from_meta_params
+
+    folder.mkdir(parents=True, exist_ok=True)
+    args = args_from_meta_params(params, folder / "params.json")
+    args = ModelArgs(**{**args.to_dict(), "tie_embeddings": True})
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    with torch.no_grad():
+        model.tok_embeddings.weight.normal_(0.0, 1.0)
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "output.weight"}
+    for key in list(state):
+        if key.endswith("attention.wq.weight"):
+            state[key] = rotate_half_to_meta(state[key], args.n_heads)
+        elif key.endswith("attention.wk.weight"):
+            state[key] = rotate_half_to_meta(state[key], args.n_kv_heads)
+    torch.save(state, folder / "consolidated.00.pth")
+    (folder / "params.json").write_text(json.dumps(params))
+    return folder / "consolidated.00.pth"
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("composite")
+
+
+@pytest.fixture(scope="session")
+def default_exports(workdir) -> dict[int, Path]:
+    return {n: export(workdir / f"default_{n}", shards=n) for n in SHARD_COUNTS}
+
+
+@pytest.fixture(scope="session")
+def llama3_checkpoint(workdir) -> Path:
+    return write_meta_checkpoint(workdir / "llama3_ckpt", LLAMA3_PARAMS, seed=7)
+
+
+@pytest.fixture(scope="session")
+def llama3_exports(workdir, llama3_checkpoint) -> dict[int, Path]:
+    return {n: export(workdir / f"llama3_{n}", shards=n, checkpoint=str(llama3_checkpoint)) for n in SHARD_COUNTS}
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(workdir) -> Path:
+    from composite.model.default import load_default
+
+    path = workdir / "default_tokenizer.model"
+    path.write_bytes(load_default().tokenizer_path.read_bytes())
+    return path
+

@@ -1,0 +1,149 @@
+"""Bad input: one clear line, exit code 2, no traceback, no artifact folder that looks complete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import LLAMA3_PARAMS, run_cli, write_meta_checkpoint
+
+
+def assert_clean_failure(result, *phrases, output=None):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    if output is not None:
+        assert not output.exists()
+        assert not list(output.parent.glob(f".{output.name}.partial-*"))
+
+
+def export(tmp_path, *args):
+    out = tmp_path / "out"
+    return run_cli("composite.export", "--output", str(out), "--max-seq-len", "32", "--prefill-len", "4", *args), out
+
+
+def test_unknown_backend(tmp_path):
+    result, out = export(tmp_path, "--shards", "2", "--placement", "xnnpack,xnnpak")
+    assert_clean_failure(result, "unknown backend 'xnnpak'", "did you mean 'xnnpack'", output=out)
+
+
+@pytest.mark.parametrize("n", ["0", "9"])
+def test_shard_count_out_of_range(tmp_path, n):
+    result, out = export(tmp_path, "--shards", n)
+    assert_clean_failure(result, "shards", output=out)
+
+
+def test_missing_checkpoint(tmp_path):
+    result, out = export(tmp_path, "--checkpoint", str(tmp_path / "nope.pth"))
+    assert_clean_failure(result, "does not exist", output=out)
+
+
+def test_corrupt_checkpoint(tmp_path):
+    bad = tmp_path / "consolidated.00.pth"
+    bad.write_bytes(b"this is not a checkpoint" * 10)
+    (tmp_path / "params.json").write_text(json.dumps(LLAMA3_PARAMS))
+    result, out = export(tmp_path, "--checkpoint", str(bad))
+    assert_clean_failure(result, "corrupt", output=out)
+
+
+def test_truncated_checkpoint(tmp_path):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    result, out = export(tmp_path, "--checkpoint", str(ckpt))
+    assert_clean_failure(result, "corrupt", output=out)
+
+
+def test_params_do_not_match_weights(tmp_path):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**LLAMA3_PARAMS, "dim": 96}))
+    result, out = export(tmp_path, "--checkpoint", str(ckpt), "--params", str(wrong))
+    assert_clean_failure(result, "shape", output=out)
+
+
+def test_params_with_more_layers_than_weights(tmp_path):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**LLAMA3_PARAMS, "n_layers": 6}))
+    result, out = export(tmp_path, "--checkpoint", str(ckpt), "--params", str(wrong))
+    assert_clean_failure(result, "layers.5", output=out)
+
+
+def test_malformed_yaml(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("shards: [1, 2\nplacement: xnnpack\n")
+    result, out = export(tmp_path, "--config", str(config))
+    assert_clean_failure(result, "not valid YAML", "line", output=out)
+
+
+def test_unknown_yaml_key(tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text("shards: 2\nplacment: xnnpack\n")
+    result, out = export(tmp_path, "--config", str(config))
+    assert_clean_failure(result, "unknown key 'placment'", "did you mean 'placement'", output=out)
+
+
+def test_placement_for_missing_shard(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("shards: 2\nplacement: {default: xnnpack, 5: portable}\n")
+    result, out = export(tmp_path, "--config", str(config))
+    assert_clean_failure(result, "shard 5", output=out)
+
+
+def test_qnn_placement_without_qnn(tmp_path):
+    result, out = export(tmp_path, "--shards", "3", "--placement", "xnnpack,qnn,xnnpack")
+    assert_clean_failure(result, "qnn", output=out)
+
+
+def test_tokenizer_larger_than_vocabulary(tmp_path, default_tokenizer):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)  # vocabulary 300
+    result, out = export(tmp_path, "--checkpoint", str(ckpt), "--tokenizer", str(default_tokenizer))
+    assert_clean_failure(result, "512 tokens", "300", output=out)
+
+
+def test_failed_export_keeps_previous_artifacts(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    result = run_cli("composite.export", "--output", str(out), "--shards", "99")
+    assert result.returncode == 2
+    assert (out / "manifest.json").read_text() == "{}"
+
+
+def test_runner_errors(tmp_path, default_exports):
+    folder = default_exports[2]
+    result = run_cli("composite.run", "--artifacts", str(tmp_path / "missing"), "--prompt", "hi")
+    assert_clean_failure(result, "does not exist")
+    result = run_cli("composite.run", "--artifacts", str(folder), "--prompt", "")
+    assert_clean_failure(result, "empty")
+    result = run_cli("composite.run", "--artifacts", str(folder), "--prompt", "word " * 200)
+    assert_clean_failure(result, "max_seq_len")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in folder.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    shard = broken / "shard_01.pte"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    result = run_cli("composite.run", "--artifacts", str(broken), "--prompt", "hi")
+    assert_clean_failure(result, "shard 1", "truncated")
+    (broken / "manifest.json").write_text("{not json")
+    result = run_cli("composite.run", "--artifacts", str(broken), "--prompt", "hi")
+    assert_clean_failure(result, "malformed JSON")
+
+
+def test_export_summary_and_manifest(default_exports):
+    manifest = json.loads((default_exports[6] / "manifest.json").read_text())
+    assert manifest["methods"] == {"decode": 1, "prefill": 12}
+    assert manifest["tokenizer"]["type"] == "sentencepiece" and manifest["bos_id"] == 1 and manifest["eos_ids"] == [2]
+    first = manifest["shards"][0]["io"]["decode"]
+    assert [t["name"] for t in first["inputs"]] == ["tokens", "input_pos", "mask", "k_cache.0", "v_cache.0"]
+    assert first["inputs"][3]["shape"] == manifest["kv_cache"]["k_shape"]
+    assert [t["name"] for t in manifest["shards"][-1]["io"]["prefill"]["outputs"]][0] == "logits"
+    for shard in manifest["shards"]:
+        assert shard["delegates"]["decode"]["XnnpackBackend"] >= 1
