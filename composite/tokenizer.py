@@ -54,7 +54,9 @@ class Tokenizer:
                 raise UserError(f"tokenizer {self.path} is not a valid tiktoken file: {e}") from None
             self.vocab_size = self._tt.n_words
             self.bos_id = self._tt.bos_id
-            self.eos_ids = tuple(sorted({self._tt.eos_id, *self._tt.stop_tokens}))
+            # Chat models end a turn with <|eot_id|> (or <|eom_id|>) rather than <|end_of_text|>.
+            stops = {self._tt.special_tokens.get(t) for t in ("<|eot_id|>", "<|eom_id|>")} - {None}
+            self.eos_ids = tuple(sorted({self._tt.eos_id, *stops}))
         elif self.kind == HF_JSON:
             from pytorch_tokenizers import HuggingFaceTokenizer
 

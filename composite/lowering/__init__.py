@@ -46,6 +46,15 @@ def inspect_program(manager) -> tuple[dict, dict]:
     return delegates, cpu_ops
 
 
+def executorch_config():
+    """Graph inputs are not memory-planned: runners bind their own buffers (the KV cache above all)
+    as method inputs, so nothing is copied into the program's arena on each call."""
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+
+    return ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False))
+
+
 def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) -> dict:
     with torch.no_grad():
         return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}

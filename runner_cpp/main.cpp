@@ -1,0 +1,260 @@
+// composite_runner: generate text with an export's shards, chained token by token.
+//
+//   composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3)
+//       [--seq_len N] [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
+//       [--stats_json FILE] [--verify]
+//
+// Text streams to stdout; a one-line summary goes to stderr, and the full stats to --stats_json.
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "error.h"
+#include "manifest.h"
+#include "sampler.h"
+#include "shard_chain.h"
+#include "tokenizer.h"
+
+using namespace composite;
+
+namespace {
+
+struct Options {
+  std::string artifacts, prompt, prompt_file, prompt_ids, stats_json;
+  bool has_prompt = false;
+  int seq_len = 0;  // total tokens, prompt included; 0 = max_seq_len
+  int max_new_tokens = 0;  // 0 = no limit besides seq_len
+  float temperature = 0.f, top_p = 1.f;
+  uint64_t seed = 0;
+  bool verify = false;
+};
+
+const char* kUsage =
+    "usage: composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3)\n"
+    "         [--seq_len N] [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]\n"
+    "         [--stats_json FILE] [--verify]\n";
+
+double parse_number(const std::string& flag, const std::string& text, double lo, double hi) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || value < lo || value > hi) {
+    throw RunnerError(flag + " needs a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text + "'");
+  }
+  return value;
+}
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  std::map<std::string, std::string> values;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    if (arg == "--verify") {
+      o.verify = true;
+      continue;
+    }
+    std::string value;
+    const auto eq = arg.find('=');
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      throw RunnerError(arg + " needs a value");
+    }
+    static const char* known[] = {"--artifacts", "--prompt", "--prompt_file", "--prompt_ids", "--seq_len", "--max_new_tokens",
+                                  "--temperature", "--top_p", "--seed", "--stats_json"};
+    bool ok = false;
+    for (const char* k : known) ok |= arg == k;
+    if (!ok) throw RunnerError("unknown flag '" + arg + "' (see --help)");
+    values[arg] = value;
+  }
+  if (!values.count("--artifacts")) throw RunnerError("--artifacts DIR is required");
+  o.artifacts = values["--artifacts"];
+  const int prompts = values.count("--prompt") + values.count("--prompt_file") + values.count("--prompt_ids");
+  if (prompts != 1) throw RunnerError("give exactly one of --prompt, --prompt_file, --prompt_ids");
+  if (values.count("--prompt")) o.prompt = values["--prompt"], o.has_prompt = true;
+  if (values.count("--prompt_file")) o.prompt_file = values["--prompt_file"];
+  if (values.count("--prompt_ids")) o.prompt_ids = values["--prompt_ids"];
+  if (values.count("--seq_len")) o.seq_len = static_cast<int>(parse_number("--seq_len", values["--seq_len"], 1, 1e9));
+  if (values.count("--max_new_tokens")) o.max_new_tokens = static_cast<int>(parse_number("--max_new_tokens", values["--max_new_tokens"], 1, 1e9));
+  if (values.count("--temperature")) o.temperature = static_cast<float>(parse_number("--temperature", values["--temperature"], 0, 100));
+  if (values.count("--top_p")) o.top_p = static_cast<float>(parse_number("--top_p", values["--top_p"], 1e-9, 1));
+  if (values.count("--seed")) o.seed = static_cast<uint64_t>(parse_number("--seed", values["--seed"], 0, 1.8e19));
+  if (values.count("--stats_json")) o.stats_json = values["--stats_json"];
+  return o;
+}
+
+bool valid_utf8(const std::string& s) {
+  Utf8Stream stream;
+  return stream.push(s) + stream.finish() == s;
+}
+
+std::vector<int64_t> prompt_tokens(const Options& o, const Manifest& m, const Tokenizer* tokenizer) {
+  if (!o.prompt_ids.empty() || (!o.has_prompt && o.prompt_file.empty())) {
+    std::vector<int64_t> ids;
+    std::stringstream in(o.prompt_ids);
+    std::string item;
+    while (std::getline(in, item, ',')) {
+      char* end = nullptr;
+      const long long id = std::strtoll(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0') throw RunnerError("--prompt_ids must be comma-separated integers, got '" + item + "'");
+      if (id < 0 || id >= m.vocab_size) {
+        throw RunnerError("--prompt_ids holds " + item + ", outside the vocabulary 0.." + std::to_string(m.vocab_size - 1));
+      }
+      ids.push_back(id);
+    }
+    if (ids.empty()) throw RunnerError("the prompt is empty");
+    return ids;
+  }
+  std::string text = o.prompt;
+  if (!o.prompt_file.empty()) {
+    std::ifstream in(o.prompt_file, std::ios::binary);
+    if (!in) throw RunnerError("cannot read --prompt_file " + o.prompt_file);
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    text = buffer.str();
+  }
+  if (text.empty()) throw RunnerError("the prompt is empty");
+  if (!valid_utf8(text)) throw RunnerError("the prompt is not valid UTF-8");
+  if (tokenizer == nullptr) throw RunnerError("this export has no tokenizer: use --prompt_ids");
+  return tokenizer->encode(text, m.bos_id >= 0);
+}
+
+double peak_rss_mb() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+double since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int run(int argc, char** argv) {
+  const Options o = parse_options(argc, argv);
+  const auto load_start = std::chrono::steady_clock::now();
+  const Manifest manifest = load_manifest(o.artifacts);
+  check_files(manifest, o.verify);
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (!manifest.tokenizer_file.empty()) tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
+  const std::vector<int64_t> prompt = prompt_tokens(o, manifest, tokenizer.get());
+  const int max_seq_len = manifest.max_seq_len;
+  if (o.seq_len > max_seq_len) {
+    throw RunnerError("--seq_len " + std::to_string(o.seq_len) + " is beyond this export's max_seq_len " + std::to_string(max_seq_len));
+  }
+  const int seq_len = o.seq_len ? o.seq_len : max_seq_len;
+  if (static_cast<int>(prompt.size()) >= seq_len) {
+    throw RunnerError("the prompt has " + std::to_string(prompt.size()) + " tokens but the sequence limit is " +
+                      std::to_string(seq_len) + " (max_seq_len " + std::to_string(max_seq_len) + "): nothing left to generate");
+  }
+  ShardChain chain(manifest);
+  const double load_seconds = since(load_start);
+
+  Sampler sampler(o.temperature, o.top_p, o.seed);
+  Utf8Stream stream;
+  std::vector<int64_t> generated;
+  int64_t previous = prompt.back();
+  auto emit = [&](int64_t token) {
+    generated.push_back(token);
+    if (tokenizer) {
+      std::cout << stream.push(tokenizer->token_bytes(token, previous)) << std::flush;
+    }
+    previous = token;
+  };
+
+  // Prefill in chunks of the prefill method's width; a lone last token goes through decode.
+  const auto prefill_start = std::chrono::steady_clock::now();
+  const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
+  const float* logits = nullptr;
+  for (size_t start = 0; start < prompt.size(); start += width) {
+    const size_t end = std::min(prompt.size(), start + width);
+    std::vector<int64_t> chunk(prompt.begin() + start, prompt.begin() + end);
+    logits = chain.forward(chunk.size() == 1 ? "decode" : "prefill", chunk, static_cast<int>(start));
+  }
+  int64_t token = sampler.sample(logits, manifest.vocab_size);
+  const double prefill_seconds = since(prefill_start);
+  chain.reset_stats();
+
+  std::string stop_reason;
+  int pos = static_cast<int>(prompt.size());
+  const auto decode_start = std::chrono::steady_clock::now();
+  int decode_calls = 0;
+  while (true) {
+    emit(token);
+    if (std::find(manifest.eos_ids.begin(), manifest.eos_ids.end(), token) != manifest.eos_ids.end()) {
+      stop_reason = "eos";
+      break;
+    }
+    if (o.max_new_tokens && static_cast<int>(generated.size()) >= o.max_new_tokens) {
+      stop_reason = "max_new_tokens";
+      break;
+    }
+    if (pos >= seq_len) {
+      stop_reason = seq_len == max_seq_len ? "max_seq_len" : "seq_len";
+      break;
+    }
+    logits = chain.forward("decode", {token}, pos);
+    ++decode_calls;
+    token = sampler.sample(logits, manifest.vocab_size);
+    ++pos;
+  }
+  const double decode_seconds = since(decode_start);
+  if (tokenizer) std::cout << stream.finish();
+  std::cout << std::endl;
+  if (stop_reason == "max_seq_len") std::cerr << "stopped: reached max_seq_len " << max_seq_len << "\n";
+
+  nlohmann::json stats;
+  stats["runner"] = "composite_runner";
+  stats["tokens"] = generated;
+  stats["prompt_tokens"] = prompt.size();
+  stats["stop_reason"] = stop_reason;
+  stats["load_ms"] = load_seconds * 1e3;
+  stats["time_to_first_token_ms"] = prefill_seconds * 1e3;
+  stats["prefill_tokens_per_s"] = prompt.size() / prefill_seconds;
+  stats["decode_tokens_per_s"] = decode_calls ? decode_calls / decode_seconds : 0.0;
+  std::vector<double> per_shard;
+  for (double s : chain.shard_seconds()) per_shard.push_back(decode_calls ? s * 1e3 / decode_calls : 0.0);
+  stats["shard_ms_per_token"] = per_shard;
+  stats["kv_write_ms_per_token"] = decode_calls ? chain.kv_write_seconds() * 1e3 / decode_calls : 0.0;
+  stats["peak_rss_mb"] = peak_rss_mb();
+  std::vector<std::string> backends;
+  for (const auto& s : manifest.shards) backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
+  stats["shard_backends"] = backends;
+  std::fprintf(stderr, "prompt %zu tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode %.1f tok/s, peak RSS %.0f MB\n",
+               prompt.size(), generated.size(), stop_reason.c_str(), load_seconds * 1e3, prefill_seconds * 1e3,
+               stats["prefill_tokens_per_s"].get<double>(), stats["decode_tokens_per_s"].get<double>(), peak_rss_mb());
+  if (!o.stats_json.empty()) {
+    std::ofstream out(o.stats_json);
+    if (!out) throw RunnerError("cannot write --stats_json " + o.stats_json);
+    out << stats.dump(1) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const RunnerError& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}

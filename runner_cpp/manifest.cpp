@@ -1,0 +1,207 @@
+#include "manifest.h"
+
+#include <openssl/evp.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "error.h"
+
+namespace composite {
+
+using nlohmann::json;
+
+int64_t TensorDesc::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+namespace {
+
+const json& require(const json& object, const char* key, const std::string& where) {
+  if (!object.is_object() || !object.contains(key)) {
+    throw RunnerError(where + " has no '" + key + "'");
+  }
+  return object.at(key);
+}
+
+std::vector<TensorDesc> parse_tensors(const json& list, const std::string& where) {
+  if (!list.is_array()) throw RunnerError(where + " is not a list");
+  std::vector<TensorDesc> out;
+  for (const json& t : list) {
+    TensorDesc desc;
+    desc.name = require(t, "name", where).get<std::string>();
+    desc.shape = require(t, "shape", where).get<std::vector<int64_t>>();
+    desc.dtype = require(t, "dtype", where).get<std::string>();
+    for (int64_t d : desc.shape) {
+      if (d <= 0) throw RunnerError(where + ": tensor " + desc.name + " has a non-positive dimension");
+    }
+    out.push_back(std::move(desc));
+  }
+  return out;
+}
+
+}  // namespace
+
+Manifest parse_manifest(const std::string& text, const std::string& folder) {
+  const std::string where = folder + "/manifest.json";
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw RunnerError(where + " is malformed JSON: " + e.what());
+  }
+  try {
+    if (!j.is_object() || j.value("format", "") != "composite-manifest") {
+      throw RunnerError(where + " is not a composite manifest");
+    }
+    if (j.value("version", 0) != 1) {
+      throw RunnerError(where + ": manifest version " + j.value("version", json()).dump() +
+                        " is not supported (this runner reads 1)");
+    }
+    Manifest m;
+    m.folder = folder;
+    m.export_id = require(j, "export_id", where).get<std::string>();
+    const json& model = require(j, "model", where);
+    m.dim = require(model, "dim", where + " model").get<int>();
+    m.n_layers = require(model, "n_layers", where + " model").get<int>();
+    m.n_heads = require(model, "n_heads", where + " model").get<int>();
+    m.n_kv_heads = require(model, "n_kv_heads", where + " model").get<int>();
+    m.head_dim = require(model, "head_dim", where + " model").get<int>();
+    m.vocab_size = require(model, "vocab_size", where + " model").get<int>();
+    m.max_seq_len = require(j, "max_seq_len", where).get<int>();
+    if (m.max_seq_len < 2 || m.vocab_size < 1 || m.n_layers < 0) {
+      throw RunnerError(where + ": max_seq_len, vocab_size or n_layers is out of range");
+    }
+    m.methods = require(j, "methods", where).get<std::map<std::string, int>>();
+    if (!m.methods.count("decode") || m.methods.at("decode") != 1) {
+      throw RunnerError(where + ": needs a 'decode' method of 1 token per call");
+    }
+    for (const auto& [name, width] : m.methods) {
+      if (width < 1 || width > m.max_seq_len) throw RunnerError(where + ": method " + name + " has an invalid width");
+    }
+    const json& kv = require(j, "kv_cache", where);
+    if (require(kv, "dtype", where + " kv_cache").get<std::string>() != "float32") {
+      throw RunnerError(where + ": only float32 KV caches are supported by this runner");
+    }
+    m.k_shape = require(kv, "k_shape", where + " kv_cache").get<std::vector<int64_t>>();
+    m.v_shape = require(kv, "v_shape", where + " kv_cache").get<std::vector<int64_t>>();
+    const std::vector<int64_t> k_expected = {1, m.n_kv_heads, m.head_dim, m.max_seq_len};
+    const std::vector<int64_t> v_expected = {1, m.n_kv_heads, m.max_seq_len, m.head_dim};
+    if (m.k_shape != k_expected || m.v_shape != v_expected) {
+      throw RunnerError(where + ": kv_cache shapes do not match the model and max_seq_len");
+    }
+    m.mask_hidden = require(require(j, "mask", where), "hidden", where + " mask").get<float>();
+    const json& tok = require(j, "tokenizer", where);
+    if (!tok.is_null()) {
+      m.tokenizer_file = require(tok, "file", where + " tokenizer").get<std::string>();
+      m.tokenizer_type = require(tok, "type", where + " tokenizer").get<std::string>();
+    }
+    const json& bos = require(j, "bos_id", where);
+    m.bos_id = bos.is_null() ? -1 : bos.get<int64_t>();
+    m.eos_ids = require(j, "eos_ids", where).get<std::vector<int64_t>>();
+    const json& shards = require(j, "shards", where);
+    if (!shards.is_array() || shards.empty()) throw RunnerError(where + ": 'shards' must be a non-empty list");
+    int expected_layer = 0;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const json& s = shards[i];
+      const std::string sw = where + " shard " + std::to_string(i);
+      ShardInfo info;
+      info.index = require(s, "index", sw).get<int>();
+      if (info.index != static_cast<int>(i)) {
+        throw RunnerError(sw + " says index " + std::to_string(info.index) + ": shards are out of order");
+      }
+      info.file = require(s, "file", sw).get<std::string>();
+      if (info.file.find('/') != std::string::npos) throw RunnerError(sw + ": file name must not contain '/'");
+      info.sha256 = require(s, "sha256", sw).get<std::string>();
+      info.size = require(s, "size", sw).get<int64_t>();
+      auto layers = require(s, "layers", sw).get<std::vector<int>>();
+      if (layers.size() != 2 || layers[0] != expected_layer || layers[1] < layers[0] || layers[1] > m.n_layers) {
+        throw RunnerError(sw + ": layers do not continue the chain at layer " + std::to_string(expected_layer));
+      }
+      info.layer_first = layers[0];
+      info.layer_end = layers[1];
+      expected_layer = layers[1];
+      info.has_embedding = require(s, "has_embedding", sw).get<bool>();
+      info.has_head = require(s, "has_head", sw).get<bool>();
+      if (info.has_embedding != (i == 0) || info.has_head != (i + 1 == shards.size())) {
+        throw RunnerError(sw + ": the embedding must be in the first shard and the head in the last");
+      }
+      if (s.contains("backends")) info.backends = s.at("backends").get<std::vector<std::string>>();
+      const json& io = require(s, "io", sw);
+      for (const auto& [name, width] : m.methods) {
+        const json& method = require(io, name.c_str(), sw + " io");
+        info.io[name] = MethodIO{parse_tensors(require(method, "inputs", sw), sw + " " + name + " inputs"),
+                                 parse_tensors(require(method, "outputs", sw), sw + " " + name + " outputs")};
+      }
+      m.shards.push_back(std::move(info));
+    }
+    if (expected_layer != m.n_layers) throw RunnerError(where + ": the shards do not cover all layers");
+    return m;
+  } catch (const json::exception& e) {
+    throw RunnerError(where + " has a field of the wrong type: " + e.what());
+  }
+}
+
+Manifest load_manifest(const std::string& folder) {
+  struct stat st {};
+  if (stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    throw RunnerError("artifacts folder " + folder + " does not exist");
+  }
+  std::ifstream in(folder + "/manifest.json", std::ios::binary);
+  if (!in) throw RunnerError(folder + "/manifest.json does not exist: is " + folder + " an export folder?");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return parse_manifest(buffer.str(), folder);
+}
+
+std::string sha256_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw RunnerError("cannot read " + path);
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
+  std::vector<char> block(1 << 20);
+  while (in) {
+    in.read(block.data(), static_cast<std::streamsize>(block.size()));
+    EVP_DigestUpdate(ctx.get(), block.data(), static_cast<size_t>(in.gcount()));
+  }
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_DigestFinal_ex(ctx.get(), digest, &length);
+  std::string hex;
+  char byte[3];
+  for (unsigned int i = 0; i < length; ++i) {
+    std::snprintf(byte, sizeof(byte), "%02x", digest[i]);
+    hex += byte;
+  }
+  return hex;
+}
+
+void check_files(const Manifest& m, bool verify_sha256) {
+  for (const ShardInfo& s : m.shards) {
+    const std::string path = m.path_of(s.file);
+    struct stat st {};
+    const std::string label = "shard " + std::to_string(s.index) + ": ";
+    if (stat(path.c_str(), &st) != 0) throw RunnerError(label + path + " is missing");
+    if (st.st_size != s.size) {
+      throw RunnerError(label + path + " is " + std::to_string(st.st_size) + " bytes but the manifest says " +
+                        std::to_string(s.size) + " (truncated, or from another export)");
+    }
+    if (verify_sha256 && sha256_file(path) != s.sha256) {
+      throw RunnerError(label + path + " does not match the manifest's sha256 (from another export?)");
+    }
+  }
+  if (!m.tokenizer_file.empty()) {
+    struct stat st {};
+    if (stat(m.path_of(m.tokenizer_file).c_str(), &st) != 0) {
+      throw RunnerError("tokenizer " + m.path_of(m.tokenizer_file) + " named by the manifest is missing");
+    }
+  }
+}
+
+}  // namespace composite

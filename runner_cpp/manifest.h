@@ -1,0 +1,61 @@
+// manifest.json, as written by composite/manifest.py (the schema is documented there).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace composite {
+
+struct TensorDesc {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;  // "float32", "int64", ...
+  int64_t numel() const;
+};
+
+struct MethodIO {
+  std::vector<TensorDesc> inputs;
+  std::vector<TensorDesc> outputs;
+};
+
+struct ShardInfo {
+  int index = 0;
+  std::string file;
+  std::string sha256;
+  int64_t size = 0;
+  int layer_first = 0;
+  int layer_end = 0;  // exclusive
+  bool has_embedding = false;
+  bool has_head = false;
+  std::vector<std::string> backends;
+  std::map<std::string, MethodIO> io;  // method name -> I/O
+  bool has_layers() const { return layer_end > layer_first; }
+};
+
+struct Manifest {
+  std::string folder;
+  std::string export_id;
+  int dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, vocab_size = 0;
+  int max_seq_len = 0;
+  std::map<std::string, int> methods;  // name -> tokens per call
+  std::vector<int64_t> k_shape, v_shape;
+  float mask_hidden = 0.f;
+  std::string tokenizer_file, tokenizer_type;  // empty when the export has no tokenizer
+  int64_t bos_id = -1;
+  std::vector<int64_t> eos_ids;
+  std::vector<ShardInfo> shards;
+
+  std::string path_of(const std::string& file) const { return folder + "/" + file; }
+};
+
+// Parses and checks structure; throws RunnerError naming the manifest and the problem.
+Manifest load_manifest(const std::string& folder);
+Manifest parse_manifest(const std::string& json_text, const std::string& folder);
+
+// Every shard file exists with its recorded size; with verify_sha256, its hash matches too.
+void check_files(const Manifest& manifest, bool verify_sha256);
+
+std::string sha256_file(const std::string& path);
+
+}  // namespace composite

@@ -1,0 +1,175 @@
+#include "shard_chain.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "error.h"
+
+namespace composite {
+
+using executorch::aten::ScalarType;
+using executorch::extension::Module;
+using executorch::extension::TensorPtr;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+
+namespace {
+
+const char* dtype_name(ScalarType type) {
+  switch (type) {
+    case ScalarType::Float: return "float32";
+    case ScalarType::Long: return "int64";
+    case ScalarType::Half: return "float16";
+    case ScalarType::Int: return "int32";
+    case ScalarType::Byte: return "uint8";
+    case ScalarType::UInt16: return "uint16";
+    default: return "other";
+  }
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+TensorPtr wrap(void* data, const std::vector<int64_t>& shape, ScalarType type) {
+  std::vector<executorch::aten::SizesType> sizes(shape.begin(), shape.end());
+  return executorch::extension::from_blob(data, sizes, type);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+ShardChain::ShardChain(const Manifest& m)
+    : manifest_(m), cache_(m.n_layers, m.n_kv_heads, m.head_dim, m.max_seq_len), shard_seconds_(m.shards.size(), 0.0) {
+  for (int layer = 0; layer < m.n_layers; ++layer) {
+    k_tensors_.push_back(wrap(cache_.k(layer), m.k_shape, ScalarType::Float));
+    v_tensors_.push_back(wrap(cache_.v(layer), m.v_shape, ScalarType::Float));
+  }
+  for (const auto& [name, width] : m.methods) {
+    MethodBuffers& b = buffers_[name];
+    b.width = width;
+    b.tokens.assign(width, 0);
+    b.positions.assign(width, 0);
+    b.mask = std::make_unique<AttentionMask>(width, m.max_seq_len, m.mask_hidden);
+    b.tokens_tensor = wrap(b.tokens.data(), {1, width}, ScalarType::Long);
+    b.positions_tensor = wrap(b.positions.data(), {width}, ScalarType::Long);
+    b.mask_tensor = wrap(b.mask->data(), {width, m.max_seq_len + width}, ScalarType::Float);
+  }
+  for (const ShardInfo& shard : m.shards) {
+    auto module = std::make_unique<Module>(m.path_of(shard.file), Module::LoadMode::Mmap);
+    if (module->load() != Error::Ok) {
+      throw RunnerError("shard " + std::to_string(shard.index) + ": ExecuTorch cannot load " + m.path_of(shard.file) +
+                        " (corrupt, or built for backends this runner lacks)");
+    }
+    modules_.push_back(std::move(module));
+    for (const auto& method : m.methods) check_method(shard, method.first);
+  }
+  inputs_.resize(m.shards.size());
+}
+
+void ShardChain::check_method(const ShardInfo& shard, const std::string& method) {
+  Module& module = *modules_[shard.index];
+  const std::string where = "shard " + std::to_string(shard.index) + " method " + method;
+  if (module.load_method(method) != Error::Ok) {
+    throw RunnerError(where + ": cannot load (missing from the program, or a backend this runner lacks: " +
+                      (shard.backends.empty() ? std::string("none") : shard.backends[0]) + ")");
+  }
+  auto meta = module.method_meta(method);
+  if (!meta.ok()) throw RunnerError(where + ": no method metadata");
+  const MethodIO& io = shard.io.at(method);
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool inputs = pass == 0;
+    const auto& expected = inputs ? io.inputs : io.outputs;
+    const size_t count = inputs ? meta->num_inputs() : meta->num_outputs();
+    if (count != expected.size()) {
+      throw RunnerError(where + " has " + std::to_string(count) + (inputs ? " inputs" : " outputs") +
+                        " but the manifest lists " + std::to_string(expected.size()));
+    }
+    for (size_t i = 0; i < count; ++i) {
+      auto info = inputs ? meta->input_tensor_meta(i) : meta->output_tensor_meta(i);
+      if (!info.ok()) throw RunnerError(where + ": " + expected[i].name + " is not a tensor");
+      std::vector<int64_t> sizes(info->sizes().begin(), info->sizes().end());
+      const std::string dtype = dtype_name(info->scalar_type());
+      if (sizes != expected[i].shape || dtype != expected[i].dtype) {
+        throw RunnerError(where + " tensor " + expected[i].name + ": program has " + shape_text(sizes) + " " + dtype +
+                          ", manifest says " + shape_text(expected[i].shape) + " " + expected[i].dtype);
+      }
+      if (inputs && info->is_memory_planned()) {
+        throw RunnerError(where + " input " + expected[i].name +
+                          " is memory-planned: export with composite, which leaves inputs to the runner");
+      }
+    }
+  }
+  // Names decide what the runner binds: check they are what this runner knows how to feed.
+  const ShardInfo& s = shard;
+  std::vector<std::string> names;
+  names.push_back(s.has_embedding ? "tokens" : "hidden");
+  if (s.has_layers()) {
+    names.push_back("input_pos");
+    names.push_back("mask");
+    for (int l = s.layer_first; l < s.layer_end; ++l) {
+      names.push_back("k_cache." + std::to_string(l));
+      names.push_back("v_cache." + std::to_string(l));
+    }
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (io.inputs[i].name != names[i]) {
+      throw RunnerError(where + ": input " + std::to_string(i) + " is '" + io.inputs[i].name + "', expected '" + names[i] + "'");
+    }
+  }
+}
+
+const float* ShardChain::forward(const std::string& method, const std::vector<int64_t>& tokens, int pos) {
+  MethodBuffers& b = buffers_.at(method);
+  const int count = static_cast<int>(tokens.size());
+  if (count < 1 || count > b.width) throw RunnerError("internal: " + method + " called with " + std::to_string(count) + " tokens");
+  if (pos + count > manifest_.max_seq_len) throw RunnerError("position beyond max_seq_len");
+  for (int i = 0; i < b.width; ++i) {
+    b.tokens[i] = i < count ? tokens[i] : 0;
+    b.positions[i] = pos + i;
+  }
+  b.mask->at(pos);
+  EValue hidden;
+  for (const ShardInfo& shard : manifest_.shards) {
+    std::vector<EValue>& in = inputs_[shard.index];
+    in.clear();
+    in.emplace_back(shard.has_embedding ? EValue(*b.tokens_tensor) : hidden);
+    if (shard.has_layers()) {
+      in.emplace_back(*b.positions_tensor);
+      in.emplace_back(*b.mask_tensor);
+      for (int l = shard.layer_first; l < shard.layer_end; ++l) {
+        in.emplace_back(*k_tensors_[l]);
+        in.emplace_back(*v_tensors_[l]);
+      }
+    }
+    const auto start = std::chrono::steady_clock::now();
+    auto outputs = modules_[shard.index]->execute(method, in);
+    shard_seconds_[shard.index] += seconds_since(start);
+    if (!outputs.ok()) {
+      throw RunnerError("shard " + std::to_string(shard.index) + " " + method + " failed with ExecuTorch error " +
+                        std::to_string(static_cast<int>(outputs.error())));
+    }
+    const auto write_start = std::chrono::steady_clock::now();
+    for (int l = shard.layer_first; l < shard.layer_end; ++l) {
+      const size_t at = 1 + 2 * (l - shard.layer_first);
+      cache_.write(l, (*outputs)[at].toTensor().const_data_ptr<float>(), (*outputs)[at + 1].toTensor().const_data_ptr<float>(),
+                   b.width, pos, count);
+    }
+    kv_write_seconds_ += seconds_since(write_start);
+    hidden = (*outputs)[0];
+  }
+  const auto& logits = hidden.toTensor();
+  return logits.const_data_ptr<float>() + static_cast<size_t>(count - 1) * manifest_.vocab_size;
+}
+
+void ShardChain::reset_stats() {
+  std::fill(shard_seconds_.begin(), shard_seconds_.end(), 0.0);
+  kv_write_seconds_ = 0;
+}
+
+}  // namespace composite

@@ -1,0 +1,49 @@
+// Loads every shard of an export (mmap) and runs them in order for one call of a method.
+// Inputs are bound to runner-owned memory (the programs do not plan their inputs), so the KV
+// cache is handed to the shards without copies; only the new entries are copied into it.
+#pragma once
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv_cache.h"
+#include "manifest.h"
+
+namespace composite {
+
+class ShardChain {
+ public:
+  explicit ShardChain(const Manifest& manifest);
+
+  // Runs `tokens` (1 .. width of `method`) at positions pos..; returns logits of the last valid token.
+  const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos);
+
+  // Time spent per shard and in KV writes since the last reset_stats().
+  const std::vector<double>& shard_seconds() const { return shard_seconds_; }
+  double kv_write_seconds() const { return kv_write_seconds_; }
+  void reset_stats();
+
+ private:
+  struct MethodBuffers {
+    int width = 0;
+    std::vector<int64_t> tokens, positions;
+    std::unique_ptr<AttentionMask> mask;
+    executorch::extension::TensorPtr tokens_tensor, positions_tensor, mask_tensor;
+  };
+  void check_method(const ShardInfo& shard, const std::string& method);
+
+  const Manifest& manifest_;
+  std::vector<std::unique_ptr<executorch::extension::Module>> modules_;
+  KVCache cache_;
+  std::vector<executorch::extension::TensorPtr> k_tensors_, v_tensors_;
+  std::map<std::string, MethodBuffers> buffers_;
+  std::vector<std::vector<executorch::runtime::EValue>> inputs_;  // per shard, reused every call
+  std::vector<double> shard_seconds_;
+  double kv_write_seconds_ = 0;
+};
+
+}  // namespace composite

@@ -1,0 +1,62 @@
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "error.h"
+#include "tokenizer.h"
+
+using composite::Utf8Stream;
+
+TEST(Utf8Stream, HoldsBackACharacterSplitAcrossTokens) {
+  Utf8Stream stream;
+  const std::string smile = "\xF0\x9F\x99\x82";  // U+1F642
+  EXPECT_EQ(stream.push("a" + smile.substr(0, 1)), "a");
+  EXPECT_EQ(stream.push(smile.substr(1, 2)), "");
+  EXPECT_EQ(stream.push(smile.substr(3) + "b"), smile + "b");
+  EXPECT_EQ(stream.finish(), "");
+}
+
+TEST(Utf8Stream, ReplacesInvalidBytes) {
+  Utf8Stream stream;
+  EXPECT_EQ(stream.push("\xFF" "a"), "\xEF\xBF\xBD" "a");
+  EXPECT_EQ(stream.push("\xC3"), "");
+  EXPECT_EQ(stream.push("x"), "\xEF\xBF\xBD" "x");  // a lead byte followed by a non-continuation
+  EXPECT_EQ(stream.push("\xE2\x82"), "");
+  EXPECT_EQ(stream.finish(), "\xEF\xBF\xBD");
+}
+
+namespace {
+
+std::string write_temp(const std::string& contents) {
+  char name[] = "/tmp/composite_tok_XXXXXX";
+  const int fd = mkstemp(name);
+  EXPECT_GE(fd, 0);
+  std::ofstream(name, std::ios::binary) << contents;
+  return name;
+}
+
+}  // namespace
+
+TEST(Tiktoken, MergesByRankAndRoundTrips) {
+  // Ranks: every byte of "ab c" alone, then "ab", then " c".
+  // base64: a=YQ==, b=Yg==, ' '=IA==, c=Yw==, ab=YWI=, ' c'=IGM=
+  const std::string path = write_temp("YQ== 0\nYg== 1\nIA== 2\nYw== 3\nYWI= 4\nIGM= 5\n");
+  auto tokenizer = composite::load_tokenizer(path, "tiktoken");
+  EXPECT_EQ(tokenizer->vocab_size(), 6 + 256);
+  EXPECT_EQ(tokenizer->bos_id(), 6);
+  const auto ids = tokenizer->encode("ab c", true);
+  EXPECT_EQ(ids, (std::vector<int64_t>{6, 4, 5}));
+  EXPECT_EQ(composite::decode(*tokenizer, {4, 5}), "ab c");
+  EXPECT_THROW(tokenizer->encode("a\xFF", false), composite::RunnerError);
+  std::remove(path.c_str());
+}
+
+TEST(Tiktoken, RejectsAFileThatIsNotRanks) {
+  const std::string path = write_temp("hello world\n");
+  EXPECT_THROW(composite::load_tokenizer(path, "tiktoken"), composite::RunnerError);
+  EXPECT_THROW(composite::load_tokenizer(path, "sentencepiece"), composite::RunnerError);
+  EXPECT_THROW(composite::load_tokenizer(path, "bpe"), composite::RunnerError);
+  EXPECT_THROW(composite::load_tokenizer("/nonexistent/tokenizer.model", "sentencepiece"), composite::RunnerError);
+  std::remove(path.c_str());
+}
