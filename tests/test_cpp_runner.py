@@ -1,0 +1,190 @@
+"""composite_runner (C++) against composite.run, the eager reference, and the Python tokenizers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from composite.manifest import read
+from composite.model.default import corpus_text
+from composite.runtime.reference import generate_reference, reference_model
+from composite.runtime.sampler import Sampler
+from composite.tokenizer import Tokenizer
+from conftest import REPO, run_cli
+
+BUILD = Path(os.environ.get("COMPOSITE_BUILD_DIR", REPO / "build"))
+RUNNER = BUILD / "composite_runner"
+TOKENIZE = BUILD / "composite_tokenize"
+NEW_TOKENS = 64
+
+pytestmark = pytest.mark.skipif(not RUNNER.exists(), reason=f"{RUNNER} not built (scripts/build_runner.sh)")
+
+TEXTS = [
+    "Once upon a time there was a little robot.",
+    "  leading spaces, trailing space ",
+    "naïve café, façade, smörgåsbord; crème brûlée",
+    "emoji 🙂🚀 and CJK 日本語 and Ελληνικά",
+    "numbers 12345 3.14159 1e-4 and tabs\tand\nnewlines\n\n",
+    "byte fallback: ᚠᛇᚻ ⟁ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "don't we'll I'M they've",
+]
+
+
+def run_runner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(RUNNER), *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def six(default_exports) -> Path:
+    return default_exports[6]
+
+
+def runner_tokens(folder: Path, tmp_path: Path, *prompt_args: str) -> list[int]:
+    stats = tmp_path / "stats.json"
+    result = run_runner("--artifacts", str(folder), *prompt_args, "--max_new_tokens", str(NEW_TOKENS), "--stats_json", str(stats))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(stats.read_text())
+    assert len(data["shard_ms_per_token"]) == len(read(folder)["shards"])
+    assert data["peak_rss_mb"] > 0 and data["decode_tokens_per_s"] > 0
+    return data["tokens"]
+
+
+@pytest.mark.parametrize("style", ["prompt", "prompt_ids"])
+def test_greedy_tokens_match_python_and_eager(six, tmp_path, style):
+    manifest = read(six)
+    tokenizer = Tokenizer(six / "tokenizer.model")
+    text = "The robot climbed the stairs and"
+    ids = tokenizer.encode(text)
+    args = ("--prompt", text) if style == "prompt" else ("--prompt_ids", ",".join(map(str, ids)))
+    ours = runner_tokens(six, tmp_path, *args)
+    python = run_cli("composite.run", "--artifacts", str(six), "--" + style.replace("_", "-"), args[1],
+                     "--max-new-tokens", str(NEW_TOKENS), "--json", check=True)
+    assert ours == json.loads(python.stdout)["tokens"]
+    eager = generate_reference(reference_model(manifest), ids, NEW_TOKENS, manifest["max_seq_len"], Sampler())
+    assert ours == eager.tokens
+    assert len(ours) == NEW_TOKENS
+
+
+def test_sampling_is_seeded(six, tmp_path):
+    def sample(seed):
+        stats = tmp_path / f"s{seed}.json"
+        result = run_runner("--artifacts", str(six), "--prompt", "Mia ran", "--max_new_tokens", "16",
+                            "--temperature", "0.9", "--top_p", "0.9", "--seed", str(seed), "--stats_json", str(stats))
+        assert result.returncode == 0, result.stderr
+        return json.loads(stats.read_text())["tokens"]
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def tiktoken_ranks(path: Path) -> None:
+    """A small byte-level BPE learned from the package corpus, written as a tiktoken ranks file."""
+    words = Counter(corpus_text().replace("\n", " ").split(" "))
+    vocab = [bytes([b]) for b in range(256)]
+    pieces = {tuple(bytes([b]) for b in (" " + w).encode()): n for w, n in words.items() if w}
+    for _ in range(200):
+        pairs = Counter()
+        for word, n in pieces.items():
+            for a, b in zip(word, word[1:]):
+                pairs[a, b] += n
+        if not pairs:
+            break
+        (a, b), _ = pairs.most_common(1)[0]
+        vocab.append(a + b)
+        merged = {}
+        for word, n in pieces.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] = n
+        pieces = merged
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(vocab)))
+
+
+@pytest.mark.skipif(not TOKENIZE.exists(), reason="composite_tokenize not built")
+@pytest.mark.parametrize("kind", ["sentencepiece", "tiktoken"])
+def test_cpp_tokenizers_equal_python(tmp_path, default_tokenizer, kind):
+    if kind == "tiktoken":
+        path = tmp_path / "ranks.tiktoken"
+        tiktoken_ranks(path)
+    else:
+        path = default_tokenizer
+    python = Tokenizer(path, kind)
+    result = subprocess.run([str(TOKENIZE), kind, str(path)], input=json.dumps(TEXTS), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for text, cpp in zip(TEXTS, json.loads(result.stdout)):
+        expected = python.encode(text)
+        assert cpp["ids"] == expected, text
+        decoded = python.decode(expected[1:])
+        assert cpp["text"] == decoded or cpp["text"] == text, (text, cpp["text"], decoded)
+
+
+def one_error_line(result) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "Segmentation" not in result.stderr and "terminate called" not in result.stderr
+    return lines[0]
+
+
+def copy_export(folder: Path, target: Path) -> Path:
+    target.mkdir()
+    for f in folder.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+def test_bad_input(six, default_exports, tmp_path):
+    assert "does not exist" in one_error_line(run_runner("--artifacts", str(tmp_path / "nope"), "--prompt", "hi"))
+    assert "unknown flag '--frobnicate'" in one_error_line(run_runner("--artifacts", str(six), "--frobnicate", "1", "--prompt", "x"))
+    assert "max_seq_len" in one_error_line(run_runner("--artifacts", str(six), "--prompt", "word " * 300))
+    assert "beyond" in one_error_line(run_runner("--artifacts", str(six), "--prompt", "hi", "--seq_len", "100000"))
+    assert "empty" in one_error_line(run_runner("--artifacts", str(six), "--prompt", ""))
+    bad_utf8 = tmp_path / "bad.txt"
+    bad_utf8.write_bytes(b"caf\xe9 \xff")
+    assert "UTF-8" in one_error_line(run_runner("--artifacts", str(six), "--prompt_file", str(bad_utf8)))
+
+    missing = copy_export(six, tmp_path / "missing")
+    (missing / "shard_03.pte").unlink()
+    assert "shard 3" in one_error_line(run_runner("--artifacts", str(missing), "--prompt", "hi"))
+
+    truncated = copy_export(six, tmp_path / "truncated")
+    shard = truncated / "shard_02.pte"
+    shard.write_bytes(shard.read_bytes()[:4096])
+    assert "truncated" in one_error_line(run_runner("--artifacts", str(truncated), "--prompt", "hi"))
+
+    # Same position, another export's file: sizes differ here, and --verify catches equal sizes by hash.
+    swapped = copy_export(six, tmp_path / "swapped")
+    (swapped / "shard_01.pte").write_bytes((default_exports[3] / "shard_01.pte").read_bytes())
+    assert "shard 1" in one_error_line(run_runner("--artifacts", str(swapped), "--prompt", "hi", "--verify"))
+    reordered = copy_export(six, tmp_path / "reordered")
+    a, b = (reordered / "shard_02.pte").read_bytes(), (reordered / "shard_03.pte").read_bytes()
+    (reordered / "shard_02.pte").write_bytes(b)
+    (reordered / "shard_03.pte").write_bytes(a)
+    assert "sha256" in one_error_line(run_runner("--artifacts", str(reordered), "--prompt", "hi", "--verify"))
+
+    malformed = copy_export(six, tmp_path / "malformed")
+    (malformed / "manifest.json").write_text('{"format": "composite-manifest", ')
+    assert "malformed JSON" in one_error_line(run_runner("--artifacts", str(malformed), "--prompt", "hi"))
+
+    wrong_shape = copy_export(six, tmp_path / "wrong_shape")
+    manifest = json.loads((wrong_shape / "manifest.json").read_text())
+    manifest["shards"][4]["io"]["decode"]["outputs"][0]["shape"] = [1, 1, 999]
+    (wrong_shape / "manifest.json").write_text(json.dumps(manifest))
+    line = one_error_line(run_runner("--artifacts", str(wrong_shape), "--prompt", "hi"))
+    assert "shard 4" in line and "hidden" in line
+
+    no_tokenizer = copy_export(six, tmp_path / "no_tokenizer")
+    (no_tokenizer / "tokenizer.model").unlink()
+    assert "tokenizer" in one_error_line(run_runner("--artifacts", str(no_tokenizer), "--prompt", "hi"))
