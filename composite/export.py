@@ -27,6 +27,7 @@ from composite.config import ExportConfig, Placement, build_config  # noqa: E402
 from composite.errors import UserError, exits_cleanly  # noqa: E402
 from composite.manifest import DECODE, PREFILL  # noqa: E402
 from composite.model.checkpoint import LoadedModel, load_checkpoint  # noqa: E402
+from composite.model.llama import cache_shapes  # noqa: E402
 from composite.split.plan import ShardSpec, plan_shards  # noqa: E402
 from composite.split.shard import ShardModule, shard_io  # noqa: E402
 from composite.tokenizer import Tokenizer  # noqa: E402
@@ -180,8 +181,7 @@ def versions() -> dict:
 
 def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: ExportConfig, shards: list[dict]) -> dict:
     args = loaded.model.args
-    k_shape = [1, args.n_kv_heads, args.head_dim, config.max_seq_len]
-    v_shape = [1, args.n_kv_heads, config.max_seq_len, args.head_dim]
+    k_shape, v_shape = cache_shapes(args, config.max_seq_len)
     bos = loaded.bos_id if loaded.bos_id is not None else (tokenizer.bos_id if tokenizer else None)
     eos = list(loaded.eos_ids) or (list(tokenizer.eos_ids) if tokenizer else [])
     tokenizer_entry = None
@@ -215,7 +215,7 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path) -> Non
     rows = [("shard", "layers", "backend", "delegates", "size", "seconds")]
     for s in shards:
         first, end = s["layers"]
-        parts = (["emb"] if s["has_embedding"] else []) + ([f"L{first}-L{end - 1}"] if end > first else []) + (["head"] if s["has_head"] else [])
+        parts = (["emb"] if s["has_embedding"] else []) + ([f"L{first}" if end - first == 1 else f"L{first}-L{end - 1}"] if end > first else []) + (["head"] if s["has_head"] else [])
         backend = s["placement"]["backend"] + (f"+{s['placement']['options']['quantize']}" if s["placement"]["options"].get("quantize", "none") != "none" else "")
         rows.append((str(s["index"]), " ".join(parts), backend, ",".join(s["backends"]) or "none",
                      f"{s['size'] / 1e6:.2f} MB", f"{s['export_seconds']:.1f}"))

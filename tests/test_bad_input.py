@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import LLAMA3_PARAMS, run_cli, write_meta_checkpoint
 
@@ -59,20 +58,13 @@ def test_truncated_checkpoint(tmp_path):
     assert_clean_failure(result, "corrupt", output=out)
 
 
-def test_params_do_not_match_weights(tmp_path):
+@pytest.mark.parametrize("override, phrase", [({"dim": 96}, "shape"), ({"n_layers": 6}, "layers.5")])
+def test_params_do_not_match_weights(tmp_path, override, phrase):
     ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)
     wrong = tmp_path / "wrong.json"
-    wrong.write_text(json.dumps({**LLAMA3_PARAMS, "dim": 96}))
+    wrong.write_text(json.dumps({**LLAMA3_PARAMS, **override}))
     result, out = export(tmp_path, "--checkpoint", str(ckpt), "--params", str(wrong))
-    assert_clean_failure(result, "shape", output=out)
-
-
-def test_params_with_more_layers_than_weights(tmp_path):
-    ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)
-    wrong = tmp_path / "wrong.json"
-    wrong.write_text(json.dumps({**LLAMA3_PARAMS, "n_layers": 6}))
-    result, out = export(tmp_path, "--checkpoint", str(ckpt), "--params", str(wrong))
-    assert_clean_failure(result, "layers.5", output=out)
+    assert_clean_failure(result, phrase, output=out)
 
 
 def test_malformed_yaml(tmp_path):

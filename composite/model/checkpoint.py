@@ -3,7 +3,6 @@ default, and say clearly when they do not fit the hyper-parameters."""
 
 from __future__ import annotations
 
-import json
 import pickle
 import zipfile
 from dataclasses import dataclass
@@ -204,10 +203,3 @@ def load_checkpoint(checkpoint: str | None, params: str | None) -> LoadedModel:
         return load_hf(path)
     return load_meta(path, Path(params) if params else None)
 
-
-def describe_source(loaded: LoadedModel) -> dict:
-    return {"kind": loaded.kind, "path": loaded.path}
-
-
-def dumps_args(args: ModelArgs) -> str:
-    return json.dumps(args.to_dict(), sort_keys=True)
