@@ -4,6 +4,7 @@ default, and say clearly when they do not fit the hyper-parameters."""
 from __future__ import annotations
 
 import pickle
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,7 +167,9 @@ def load_hf(folder: Path) -> LoadedModel:
     config = read_json(folder / "config.json")
     args = args_from_hf_config(config, folder / "config.json")
     weights: dict[str, torch.Tensor] = {}
-    for path in _safetensors_files(folder):
+    from tqdm import tqdm
+
+    for path in tqdm(_safetensors_files(folder), desc="loading weights", unit="file", file=sys.stderr, leave=False):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
