@@ -138,6 +138,31 @@ def _check_backend_options(backend: str, options: dict, where: str) -> None:
             raise UserError(f"{where}: unknown SoC {options['soc']!r}{_suggest(str(options['soc']), QNN_SOCS)}; supported: {', '.join(QNN_SOCS)}")
         if options["precision"] not in QNN_PRECISIONS:
             raise UserError(f"{where}: qnn precision must be one of {', '.join(QNN_PRECISIONS)}, got {options['precision']!r}")
+        _check_qnn_details(options, where)
+
+
+def _check_qnn_details(options: dict, where: str) -> None:
+    overrides = options.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise UserError(f"{where}: qnn overrides must map module names to precisions, e.g. {{output: 16a8w}}")
+    for pattern, precision in overrides.items():
+        if precision not in QNN_PRECISIONS[1:]:
+            raise UserError(f"{where}: override for '{pattern}' must be a quantized precision "
+                            f"({', '.join(QNN_PRECISIONS[1:])}), got {precision!r}")
+        if options["precision"] == "fp16":
+            raise UserError(f"{where}: overrides need a quantized precision for the shard, not fp16")
+    calibration = options.get("calibration") or {}
+    if not isinstance(calibration, dict):
+        raise UserError(f"{where}: calibration must be a mapping with prompts, file or samples")
+    _check_keys(calibration, ("prompts", "file", "samples"), f"calibration of {where}")
+    if "samples" in calibration:
+        _positive_int(calibration["samples"], f"{where}: calibration samples")
+    if "prompts" in calibration and (not isinstance(calibration["prompts"], list) or not calibration["prompts"]):
+        raise UserError(f"{where}: calibration prompts must be a non-empty list of strings")
+    for key in ("skip_ops", "skip_node_ids"):
+        value = options.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"{where}: {key} must be a list of names, e.g. [aten.linear.default]")
 
 
 def _positive_int(value, name: str, minimum: int = 1) -> int:

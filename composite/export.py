@@ -7,6 +7,7 @@ complete, so a failed export never leaves a folder that looks usable.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -108,13 +109,9 @@ def method_inputs(args, spec: ShardSpec, config: ExportConfig) -> dict[str, tupl
     }
 
 
-def export_shard(model, spec: ShardSpec, placement: Placement, config: ExportConfig, staging: Path) -> dict:
-    from composite.lowering import lower_shard
-
-    module = ShardModule(model, spec).eval()
-    started = time.perf_counter()
-    lowered = lower_shard(module, method_inputs(model.args, spec, config), placement)
-    seconds = time.perf_counter() - started
+def shard_entry(model, spec: ShardSpec, placement: Placement, config: ExportConfig, staging: Path, lowered,
+                seconds: float) -> dict:
+    """Write one lowered shard and describe it for the manifest."""
     file_name = f"shard_{spec.index:02d}.pte"
     path = staging / file_name
     path.write_bytes(lowered.buffer)
@@ -139,6 +136,78 @@ def export_shard(model, spec: ShardSpec, placement: Placement, config: ExportCon
         "export_seconds": round(seconds, 2),
         "notes": lowered.notes,
     }
+
+
+def capture_calibration(loaded: LoadedModel, modules: list[ShardModule], placements: list[Placement],
+                        config: ExportConfig, tokenizer: Tokenizer | None) -> dict[int, dict]:
+    """Inputs of every QNN shard, per method: calibration samples plus one held out for SQNR."""
+    from composite.lowering.calibration import capture_shard_inputs
+
+    groups: dict[str, set[int]] = {}
+    for index, placement in enumerate(placements):
+        if placement.backend == "qnn":
+            groups.setdefault(json.dumps(placement.options.get("calibration") or {}, sort_keys=True), set()).add(index)
+    samples = {}
+    methods = {DECODE: 1, PREFILL: config.prefill_len}
+    for options, targets in groups.items():
+        samples.update(capture_shard_inputs(loaded.model, modules, targets, methods, config.max_seq_len,
+                                            json.loads(options), tokenizer))
+    return samples
+
+
+def measure_sqnr(path: Path, module: ShardModule, held_out: dict[str, tuple], output_names: dict) -> dict:
+    """method -> output name -> SQNR (dB) of the lowered shard against the float shard."""
+    from executorch.runtime import Runtime
+
+    from composite.lowering.calibration import sqnr_db
+
+    program = Runtime.get().load_program(path)
+    result = {}
+    for method, inputs in held_out.items():
+        actual = program.load_method(method).execute(list(inputs))
+        with torch.no_grad():
+            expected = module(*inputs)
+        result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names[method], expected, actual)}
+    return result
+
+
+def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Placement], config: ExportConfig,
+              tokenizer: Tokenizer | None, staging: Path) -> tuple[list[dict], dict | None]:
+    from composite.lowering import finish, lower_shard
+
+    model = loaded.model
+    modules = [ShardModule(model, spec).eval() for spec in specs]
+    has_qnn = any(p.backend == "qnn" for p in placements)
+    samples = capture_calibration(loaded, modules, placements, config, tokenizer) if has_qnn else {}
+    entries: dict[int, dict] = {}
+    pending_qnn = []  # QNN shards wait for the spill-fill size shared by all of them
+    for spec, placement, module in tqdm(list(zip(specs, placements, modules)), desc="lowering shards",
+                                        unit="shard", file=sys.stderr):
+        started = time.perf_counter()
+        calibration = {m: s[:-1] for m, s in samples.get(spec.index, {}).items()}
+        edge, notes = lower_shard(module, method_inputs(model.args, spec, config), placement, calibration)
+        if placement.backend == "qnn":
+            pending_qnn.append((spec, placement, edge, notes, time.perf_counter() - started))
+            continue
+        lowered = finish(edge, notes)
+        entries[spec.index] = shard_entry(model, spec, placement, config, staging, lowered, time.perf_counter() - started)
+    qnn_summary = None
+    if pending_qnn:
+        from composite import qnn_host
+        from composite.lowering import qnn
+
+        spill_fill = qnn.share_spill_fill([edge for _, _, edge, _, _ in pending_qnn])
+        host = qnn_host.prepare()
+        qnn_summary = {"build_id": host.build_id, "libraries": host.source, "spill_fill_bytes": spill_fill}
+        for spec, placement, edge, notes, seconds in pending_qnn:
+            started = time.perf_counter()
+            entry = shard_entry(model, spec, placement, config, staging, finish(edge, notes),
+                                seconds + time.perf_counter() - started)
+            held_out = {m: s[-1] for m, s in samples[spec.index].items()}
+            names = {m: [o["name"] for o in entry["io"][m]["outputs"]] for m in entry["io"]}
+            entry["sqnr_db"] = measure_sqnr(staging / entry["file"], modules[spec.index], held_out, names)
+            entries[spec.index] = entry
+    return [entries[i] for i in sorted(entries)], qnn_summary
 
 
 def check_against_runtime(staging: Path, shard: dict) -> None:
@@ -179,7 +248,8 @@ def versions() -> dict:
     }
 
 
-def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: ExportConfig, shards: list[dict]) -> dict:
+def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: ExportConfig, shards: list[dict],
+                   qnn_summary: dict | None) -> dict:
     args = loaded.model.args
     k_shape, v_shape = cache_shapes(args, config.max_seq_len)
     bos = loaded.bos_id if loaded.bos_id is not None else (tokenizer.bos_id if tokenizer else None)
@@ -207,22 +277,29 @@ def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: Exp
         "bos_id": bos,
         "eos_ids": eos,
         "shards": shards,
+        "qnn": qnn_summary,
         "versions": versions(),
     }
 
 
-def print_summary(shards: list[dict], total_seconds: float, output: Path) -> None:
-    rows = [("shard", "layers", "backend", "delegates", "size", "seconds")]
+def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_summary: dict | None) -> None:
+    """One row per shard. SQNR (dB, against the float shard on a held-out input) is given for the
+    shard's main output per method, decode/prefill; the manifest has it for every output."""
+    rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "SQNR dB")]
     for s in shards:
         first, end = s["layers"]
         parts = (["emb"] if s["has_embedding"] else []) + ([f"L{first}" if end - first == 1 else f"L{first}-L{end - 1}"] if end > first else []) + (["head"] if s["has_head"] else [])
-        backend = s["placement"]["backend"] + (f"+{s['placement']['options']['quantize']}" if s["placement"]["options"].get("quantize", "none") != "none" else "")
+        backend = Placement(s["placement"]["backend"], s["placement"]["options"]).describe()
+        sqnr = "/".join(f"{next(iter(per_output.values())):.1f}" for per_output in s["sqnr_db"].values()) if "sqnr_db" in s else "-"
         rows.append((str(s["index"]), " ".join(parts), backend, ",".join(s["backends"]) or "none",
-                     f"{s['size'] / 1e6:.2f} MB", f"{s['export_seconds']:.1f}"))
+                     f"{s['size'] / 1e6:.2f} MB", f"{s['export_seconds']:.1f}", sqnr))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     total = sum(s["size"] for s in shards)
+    if qnn_summary is not None:
+        print(f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
+              f"{qnn_summary['spill_fill_bytes']} bytes")
     print(f"{len(shards)} shards, {total / 1e6:.2f} MB, {total_seconds:.1f} s -> {output}")
 
 
@@ -230,9 +307,9 @@ def run_export(config: ExportConfig) -> Path:
     started = time.perf_counter()
     placements = config.placements()
     if any(p.backend == "qnn" for p in placements):
-        from composite.lowering import qnn
+        from composite import qnn_host
 
-        qnn.require_support()
+        qnn_host.activate()  # before any slow work: may re-execute this process once
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} exists and is not a folder")
@@ -243,18 +320,17 @@ def run_export(config: ExportConfig) -> Path:
     tokenizer = resolve_tokenizer(config, loaded)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
-        shards = []
-        for spec, placement in tqdm(list(zip(specs, placements)), desc="lowering shards", unit="shard", file=sys.stderr):
-            shards.append(export_shard(loaded.model, spec, placement, config, staging))
-            check_against_runtime(staging, shards[-1])
+        shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, staging)
+        for shard in shards:
+            check_against_runtime(staging, shard)
         if tokenizer is not None:
             shutil.copyfile(tokenizer.path, staging / tokenizer.path.name)
-        manifest_schema.write(staging, build_manifest(loaded, tokenizer, config, shards))
+        manifest_schema.write(staging, build_manifest(loaded, tokenizer, config, shards, qnn_summary))
         replace_folder(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    print_summary(shards, time.perf_counter() - started, output)
+    print_summary(shards, time.perf_counter() - started, output, qnn_summary)
     return output
 
 

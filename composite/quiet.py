@@ -13,5 +13,7 @@ def silence_library_noise() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
+    # ExecuTorch's QNN partitioner and preprocessor log every node at INFO on the root logger.
+    logging.disable(logging.WARNING)
     for name in ("torchao", "torch._export", "torch.export", "executorch", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)

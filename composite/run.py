@@ -84,6 +84,10 @@ def main(argv=None) -> None:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     folder = Path(args.artifacts)
     manifest = manifest_schema.read(folder)
+    if not args.reference and any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"]):
+        from composite import qnn_host
+
+        qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
     tokenizer = load_tokenizer(folder, manifest)
     prompt = prompt_tokens(args, manifest, tokenizer)
     sampler = Sampler(args.temperature, args.top_p, args.seed)

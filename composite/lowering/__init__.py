@@ -60,13 +60,22 @@ def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) ->
         return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
 
 
-def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], placement: Placement) -> LoweredShard:
+def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], placement: Placement,
+                samples: dict | None = None):
+    """-> (EdgeProgramManager, notes). Not yet an ExecuTorch program: QNN shards still take the
+    shared spill-fill size before `finish`."""
     if placement.backend == "xnnpack":
         from composite.lowering import xnnpack as backend
     elif placement.backend == "portable":
         from composite.lowering import portable as backend
     else:
-        from composite.lowering import qnn as backend
-    manager, notes = backend.lower(module, example_inputs, placement.options)
+        from composite.lowering import qnn
+
+        return qnn.lower(module, example_inputs, placement.options, samples)
+    return backend.lower(module, example_inputs, placement.options)
+
+
+def finish(edge, notes: list[str]) -> LoweredShard:
+    manager = edge.to_executorch(executorch_config())
     delegates, cpu_ops = inspect_program(manager)
     return LoweredShard(manager.buffer, delegates, cpu_ops, notes)

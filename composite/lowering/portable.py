@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from executorch.exir import to_edge_transform_and_lower
 
-from composite.lowering import executorch_config, export_methods
+from composite.lowering import export_methods
 
 
 def lower(module, example_inputs: dict, options: dict):
-    return to_edge_transform_and_lower(export_methods(module, example_inputs)).to_executorch(executorch_config()), []
+    return to_edge_transform_and_lower(export_methods(module, example_inputs)), []

@@ -8,7 +8,7 @@ import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import to_edge_transform_and_lower
 
-from composite.lowering import executorch_config, export_methods
+from composite.lowering import export_methods
 
 
 def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.Module, list[str]]:
@@ -44,4 +44,4 @@ def lower(module, example_inputs: dict, options: dict):
     if options.get("quantize") == "8da4w":
         module, notes = quantize_8da4w(module, options["group_size"])
     edge = to_edge_transform_and_lower(export_methods(module, example_inputs), partitioner=[XnnpackPartitioner()])
-    return edge.to_executorch(executorch_config()), notes
+    return edge, notes

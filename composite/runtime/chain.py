@@ -1,9 +1,12 @@
-"""Load the shards of an export with the ExecuTorch runtime and run them as one model."""
+"""Run the shards of a split model in order, one method call per shard, with the runner-owned KV
+cache: from an export's .pte files (ShardChain) or from the float PyTorch shards (eager_chain, used
+to capture calibration inputs)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -11,34 +14,19 @@ from composite import manifest as manifest_schema
 from composite.errors import UserError
 from composite.runtime.kv_cache import AttentionMask, KVCache
 
+# method name -> callable(list of input tensors) -> list of output tensors, one dict per shard
+ShardRunners = dict[str, Callable[[list], list]]
 
-class ShardChain:
-    """forward(tokens, pos) runs every shard in order for up to T tokens of one method."""
 
-    def __init__(self, folder: Path, verify: bool = False):
-        from executorch.runtime import Runtime
+class Chain:
+    """forward(method, tokens, pos) runs every shard in order for up to T tokens of one method."""
 
-        self.folder = Path(folder)
-        self.manifest = manifest_schema.read(self.folder)
-        manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
-        self.max_seq_len = self.manifest["max_seq_len"]
-        self.methods = dict(self.manifest["methods"])
-        self.shards = self.manifest["shards"]
-        self.cache = KVCache(self.manifest)
-        hidden = self.manifest["mask"]["hidden"]
-        self.masks = {name: AttentionMask(n, self.max_seq_len, hidden) for name, n in self.methods.items()}
-        self.shard_seconds = [0.0] * len(self.shards)
-        runtime = Runtime.get()
-        started = time.perf_counter()
-        self.loaded = []
-        for shard in self.shards:
-            path = self.folder / shard["file"]
-            try:
-                program = runtime.load_program(path)
-                self.loaded.append({name: program.load_method(name) for name in self.methods})
-            except (RuntimeError, ValueError) as e:
-                raise UserError(f"shard {shard['index']}: ExecuTorch cannot load {path}: {e}") from None
-        self.load_seconds = time.perf_counter() - started
+    def __init__(self, shards: list[dict], runners: list[ShardRunners], methods: dict[str, int],
+                 max_seq_len: int, cache: KVCache, mask_hidden: float):
+        self.shards, self.runners, self.methods = shards, runners, dict(methods)
+        self.max_seq_len, self.cache = max_seq_len, cache
+        self.masks = {name: AttentionMask(n, max_seq_len, mask_hidden) for name, n in self.methods.items()}
+        self.shard_seconds = [0.0] * len(shards)
 
     def forward(self, method: str, tokens: list[int], pos: int) -> torch.Tensor:
         """Logits [count, vocab] for `tokens` (at most the method's T) placed at positions pos.."""
@@ -52,7 +40,7 @@ class ShardChain:
         positions = torch.arange(pos, pos + width, dtype=torch.int64)
         mask = self.masks[method].at(pos)
         x = padded
-        for shard, methods in zip(self.shards, self.loaded):
+        for shard, runners in zip(self.shards, self.runners):
             first, end = shard["layers"]
             inputs = [x]
             if end > first:
@@ -60,7 +48,7 @@ class ShardChain:
                 for layer in range(first, end):
                     inputs += [self.cache.k[layer], self.cache.v[layer]]
             started = time.perf_counter()
-            outputs = methods[method].execute(inputs)
+            outputs = runners[method](inputs)
             self.shard_seconds[shard["index"]] += time.perf_counter() - started
             x = outputs[0]
             for i, layer in enumerate(range(first, end)):
@@ -70,3 +58,50 @@ class ShardChain:
     def reset(self) -> None:
         self.cache.reset()
         self.shard_seconds = [0.0] * len(self.shards)
+
+
+class ShardChain(Chain):
+    """The shards of an export, loaded with the ExecuTorch runtime."""
+
+    def __init__(self, folder: Path, verify: bool = False):
+        from executorch.runtime import Runtime
+
+        self.folder = Path(folder)
+        self.manifest = manifest_schema.read(self.folder)
+        manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
+        if any(shard["placement"]["backend"] == "qnn" for shard in self.manifest["shards"]):
+            from composite.lowering import qnn
+
+            qnn.require_support()
+        runtime = Runtime.get()
+        started = time.perf_counter()
+        runners = []
+        for shard in self.manifest["shards"]:
+            path = self.folder / shard["file"]
+            try:
+                program = runtime.load_program(path)
+                runners.append({name: program.load_method(name).execute for name in self.manifest["methods"]})
+            except (RuntimeError, ValueError) as e:
+                raise UserError(f"shard {shard['index']}: ExecuTorch cannot load {path}: {e}") from None
+        self.load_seconds = time.perf_counter() - started
+        kv = self.manifest["kv_cache"]
+        cache = KVCache(self.manifest["model"]["n_layers"], kv["k_shape"], kv["v_shape"])
+        super().__init__(self.manifest["shards"], runners, self.manifest["methods"], self.manifest["max_seq_len"],
+                         cache, self.manifest["mask"]["hidden"])
+
+
+def eager_chain(model, shard_modules: list, methods: dict[str, int], max_seq_len: int) -> Chain:
+    """The float PyTorch shards chained exactly as the runners chain the exported ones."""
+    from composite.model.llama import cache_shapes
+
+    def runner(module):
+        def run(inputs):
+            with torch.no_grad():
+                return list(module(*inputs))
+        return run
+
+    shards = [{"index": m.spec.index, "layers": [m.spec.layer_start, m.spec.layer_end]} for m in shard_modules]
+    runners = [{name: runner(m) for name in methods} for m in shard_modules]
+    k_shape, v_shape = cache_shapes(model.args, max_seq_len)
+    cache = KVCache(model.args.n_layers, k_shape, v_shape)
+    return Chain(shards, runners, methods, max_seq_len, cache, manifest_schema.MASK_HIDDEN)

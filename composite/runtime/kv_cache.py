@@ -8,10 +8,7 @@ import torch
 class KVCache:
     """One k and one v tensor per layer, shaped as the manifest's kv_cache says, updated in place."""
 
-    def __init__(self, manifest: dict):
-        n_layers = manifest["model"]["n_layers"]
-        k_shape, v_shape = manifest["kv_cache"]["k_shape"], manifest["kv_cache"]["v_shape"]
-        self.max_seq_len = manifest["max_seq_len"]
+    def __init__(self, n_layers: int, k_shape: list[int], v_shape: list[int]):
         self.k = [torch.zeros(k_shape, dtype=torch.float32) for _ in range(n_layers)]
         self.v = [torch.zeros(v_shape, dtype=torch.float32) for _ in range(n_layers)]
 

@@ -77,7 +77,9 @@ class ShardModule(nn.Module):
         super().__init__()
         self.spec = spec
         self.tok_embeddings = model.tok_embeddings if spec.has_embedding else None
-        self.layers = nn.ModuleList(model.layers[i] for i in spec.layers)
+        # Keyed by the model's layer index, so module paths ("layers.7.attention.wo") are the same
+        # in every shard as in the checkpoint.
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
         self.norm = model.norm if spec.has_head else None
         self.output = model.output if spec.has_head else None
         self.register_buffer("inv_freq", model.inv_freq.clone(), persistent=False)
@@ -88,7 +90,7 @@ class ShardModule(nn.Module):
         if len(self.layers):
             input_pos, mask, *caches = layer_inputs
             cos, sin = rope_cos_sin(self.inv_freq, input_pos)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.layers.values()):
                 h, k_new, v_new = layer(h, cos, sin, mask, caches[2 * i], caches[2 * i + 1])
                 new_entries += [k_new, v_new]
         if self.output is not None:

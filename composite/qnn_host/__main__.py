@@ -1,0 +1,4 @@
+from composite.errors import exits_cleanly
+from composite.qnn_host import main
+
+exits_cleanly(main)()
