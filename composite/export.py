@@ -138,21 +138,23 @@ def shard_entry(model, spec: ShardSpec, placement: Placement, config: ExportConf
     }
 
 
-def capture_calibration(loaded: LoadedModel, modules: list[ShardModule], placements: list[Placement],
-                        config: ExportConfig, tokenizer: Tokenizer | None) -> dict[int, dict]:
-    """Inputs of every QNN shard, per method: calibration samples plus one held out for SQNR."""
-    from composite.lowering.calibration import capture_shard_inputs
+def calibrate_qnn_shards(loaded: LoadedModel, modules: list[ShardModule], jobs: dict, config: ExportConfig,
+                         tokenizer: Tokenizer | None) -> dict[int, dict[str, tuple]]:
+    """Feed every QNN shard's observers its real inputs (quantized precisions); return one held-out
+    input per QNN shard and method for measuring SQNR. Shards sharing calibration options share
+    one pass of the float chain."""
+    from composite.lowering.calibration import calibrate
 
-    groups: dict[str, set[int]] = {}
-    for index, placement in enumerate(placements):
-        if placement.backend == "qnn":
-            groups.setdefault(json.dumps(placement.options.get("calibration") or {}, sort_keys=True), set()).add(index)
-    samples = {}
+    groups: dict[str, dict] = {}
+    for index, job in jobs.items():
+        key = json.dumps(job.options.get("calibration") or {}, sort_keys=True)
+        groups.setdefault(key, {})[index] = job
     methods = {DECODE: 1, PREFILL: config.prefill_len}
-    for options, targets in groups.items():
-        samples.update(capture_shard_inputs(loaded.model, modules, targets, methods, config.max_seq_len,
-                                            json.loads(options), tokenizer))
-    return samples
+    held_out = {}
+    for key, group in groups.items():
+        consumers = {index: (job.observe if job.quantized else (lambda method, inputs: None)) for index, job in group.items()}
+        held_out.update(calibrate(loaded.model, modules, consumers, methods, config.max_seq_len, json.loads(key), tokenizer))
+    return held_out
 
 
 def measure_sqnr(path: Path, module: ShardModule, held_out: dict[str, tuple], output_names: dict) -> dict:
@@ -163,7 +165,8 @@ def measure_sqnr(path: Path, module: ShardModule, held_out: dict[str, tuple], ou
 
     program = Runtime.get().load_program(path)
     result = {}
-    for method, inputs in held_out.items():
+    for method in output_names:
+        inputs = held_out[method]
         actual = program.load_method(method).execute(list(inputs))
         with torch.no_grad():
             expected = module(*inputs)
@@ -177,18 +180,25 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
 
     model = loaded.model
     modules = [ShardModule(model, spec).eval() for spec in specs]
-    has_qnn = any(p.backend == "qnn" for p in placements)
-    samples = capture_calibration(loaded, modules, placements, config, tokenizer) if has_qnn else {}
+    qnn_jobs, held_out = {}, {}
+    if any(p.backend == "qnn" for p in placements):
+        from composite.lowering.qnn import QnnShardLowering
+
+        for spec, placement, module in zip(specs, placements, modules):
+            if placement.backend == "qnn":
+                qnn_jobs[spec.index] = QnnShardLowering(module, method_inputs(model.args, spec, config), placement.options)
+        print(f"calibrating {len(qnn_jobs)} QNN shard(s) with the float model", file=sys.stderr)
+        held_out = calibrate_qnn_shards(loaded, modules, qnn_jobs, config, tokenizer)
     entries: dict[int, dict] = {}
     pending_qnn = []  # QNN shards wait for the spill-fill size shared by all of them
     for spec, placement, module in tqdm(list(zip(specs, placements, modules)), desc="lowering shards",
                                         unit="shard", file=sys.stderr):
         started = time.perf_counter()
-        calibration = {m: s[:-1] for m, s in samples.get(spec.index, {}).items()}
-        edge, notes = lower_shard(module, method_inputs(model.args, spec, config), placement, calibration)
         if placement.backend == "qnn":
+            edge, notes = qnn_jobs.pop(spec.index).lower()  # drop the prepared graphs once lowered
             pending_qnn.append((spec, placement, edge, notes, time.perf_counter() - started))
             continue
+        edge, notes = lower_shard(module, method_inputs(model.args, spec, config), placement)
         lowered = finish(edge, notes)
         entries[spec.index] = shard_entry(model, spec, placement, config, staging, lowered, time.perf_counter() - started)
     qnn_summary = None
@@ -196,16 +206,16 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
         from composite import qnn_host
         from composite.lowering import qnn
 
-        spill_fill = qnn.share_spill_fill([edge for _, _, edge, _, _ in pending_qnn])
+        spill_fill, own_spill_fill = qnn.share_spill_fill([edge for _, _, edge, _, _ in pending_qnn])
         host = qnn_host.prepare()
         qnn_summary = {"build_id": host.build_id, "libraries": host.source, "spill_fill_bytes": spill_fill}
-        for spec, placement, edge, notes, seconds in pending_qnn:
+        for (spec, placement, edge, notes, seconds), own in zip(pending_qnn, own_spill_fill):
             started = time.perf_counter()
             entry = shard_entry(model, spec, placement, config, staging, finish(edge, notes),
                                 seconds + time.perf_counter() - started)
-            held_out = {m: s[-1] for m, s in samples[spec.index].items()}
             names = {m: [o["name"] for o in entry["io"][m]["outputs"]] for m in entry["io"]}
-            entry["sqnr_db"] = measure_sqnr(staging / entry["file"], modules[spec.index], held_out, names)
+            entry["spill_fill_bytes"] = own
+            entry["sqnr_db"] = measure_sqnr(staging / entry["file"], modules[spec.index], held_out[spec.index], names)
             entries[spec.index] = entry
     return [entries[i] for i in sorted(entries)], qnn_summary
 

@@ -20,6 +20,7 @@
 
 #include "error.h"
 #include "manifest.h"
+#include "qnn_libraries.h"
 #include "sampler.h"
 #include "shard_chain.h"
 #include "tokenizer.h"
@@ -160,6 +161,14 @@ int run(int argc, char** argv) {
   if (static_cast<int>(prompt.size()) >= seq_len) {
     throw RunnerError("the prompt has " + std::to_string(prompt.size()) + " tokens but the sequence limit is " +
                       std::to_string(seq_len) + " (max_seq_len " + std::to_string(max_seq_len) + "): nothing left to generate");
+  }
+  if (!manifest.qnn_build_id.empty()) {
+    const std::string runtime_build_id = qnn_runtime_build_id();
+    if (runtime_build_id != manifest.qnn_build_id) {
+      std::cerr << "warning: the QNN shards were compiled with QNN " << manifest.qnn_build_id
+                << " but this process loads QNN " << runtime_build_id
+                << "; context binaries may be rejected or behave differently\n";
+    }
   }
   ShardChain chain(manifest);
   const double load_seconds = since(load_start);

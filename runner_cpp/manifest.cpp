@@ -142,6 +142,10 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
       m.shards.push_back(std::move(info));
     }
     if (expected_layer != m.n_layers) throw RunnerError(where + ": the shards do not cover all layers");
+    if (j.contains("qnn") && !j.at("qnn").is_null()) {
+      m.qnn_build_id = require(j.at("qnn"), "build_id", where + " qnn").get<std::string>();
+      m.qnn_spill_fill_bytes = require(j.at("qnn"), "spill_fill_bytes", where + " qnn").get<int64_t>();
+    }
     return m;
   } catch (const json::exception& e) {
     throw RunnerError(where + " has a field of the wrong type: " + e.what());

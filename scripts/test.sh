@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Install test dependencies, build composite_runner and its unit tests, run ctest, then pytest
-# (which also runs composite_runner end to end).
+# Install test dependencies and the QNN host libraries, build composite_runner and its unit tests,
+# run ctest, then pytest (which also runs composite_runner end to end, QNN shards included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet -e '.[test]'
+python3 -m composite.qnn_host install
 bash scripts/build_runner.sh build
 
 cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
 (cd build && "$cmake_bin" --output-on-failure)
+# QNN tests run on the HTP simulator: the loader path must be set before the process starts.
+eval "$(python3 -m composite.qnn_host env)"
+export COMPOSITE_REQUIRE_QNN=1
 python3 -m pytest -q "$@"

@@ -88,9 +88,6 @@ def test_placement_for_missing_shard(tmp_path):
     assert_clean_failure(result, "shard 5", output=out)
 
 
-def test_qnn_placement_without_qnn(tmp_path):
-    result, out = export(tmp_path, "--shards", "3", "--placement", "xnnpack,qnn,xnnpack")
-    assert_clean_failure(result, "qnn", output=out)
 
 
 def test_tokenizer_larger_than_vocabulary(tmp_path, default_tokenizer):

@@ -60,18 +60,15 @@ def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) ->
         return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
 
 
-def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], placement: Placement,
-                samples: dict | None = None):
-    """-> (EdgeProgramManager, notes). Not yet an ExecuTorch program: QNN shards still take the
-    shared spill-fill size before `finish`."""
+def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], placement: Placement):
+    """-> (EdgeProgramManager, notes) for an XNNPACK or portable shard. QNN shards go through
+    lowering.qnn.QnnShardLowering, whose steps the export interleaves with calibration."""
     if placement.backend == "xnnpack":
         from composite.lowering import xnnpack as backend
     elif placement.backend == "portable":
         from composite.lowering import portable as backend
     else:
-        from composite.lowering import qnn
-
-        return qnn.lower(module, example_inputs, placement.options, samples)
+        raise ValueError(f"lower_shard does not lower {placement.backend} shards")
     return backend.lower(module, example_inputs, placement.options)
 
 

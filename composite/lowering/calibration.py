@@ -9,13 +9,14 @@ YAML (per QNN shard or under `qnn:`):
   calibration:
     prompts: ["...", "..."]   # or
     file: calib.txt           # a text file; default: the text shipped with the package
-    samples: 16               # per method (decode and prefill)
-One more sample per method is held out and used only to measure the shard's SQNR.
+    samples: 16               # prefill calls; decode calls cover as many tokens (16 x prefill_len)
+One more input per method, from text not used for calibration, is kept to measure the shard's SQNR.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -54,43 +55,61 @@ def token_stream(options: dict, tokenizer, vocab_size: int, length: int) -> list
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def capture_shard_inputs(model, shard_modules: list, targets: set[int], methods: dict[str, int],
-                         max_seq_len: int, options: dict, tokenizer) -> dict[int, dict[str, list[tuple]]]:
-    """shard index -> method -> list of input tuples (samples + 1 held out, the last)."""
+Consumer = Callable[[str, tuple], None]  # (method, inputs) -> None
+
+
+def calibrate(model, shard_modules: list, consumers: dict[int, Consumer], methods: dict[str, int],
+              max_seq_len: int, options: dict, tokenizer) -> dict[int, dict[str, tuple]]:
+    """Push calibration text through the float chain; each consumer gets every input its shard
+    receives, as it arrives (nothing is stored: decode inputs carry whole KV caches). `samples`
+    prefill calls are made, and as many decode calls as that covers tokens (samples x prefill
+    width), since one decode call sees a single token. Returns one further input per shard and
+    method, from text the consumers never saw, for measuring the lowered shard."""
     from composite.runtime.chain import eager_chain
 
-    wanted = int(options.get("samples", DEFAULT_SAMPLES)) + 1
-    chain = eager_chain(model, shard_modules, methods, max_seq_len)
-    captured = {index: {method: [] for method in methods} for index in targets}
-    for index in targets:
-        for method, run in list(chain.runners[index].items()):
-            def recording(inputs, run=run, store=captured[index][method]):
-                if len(store) < wanted:
-                    store.append(tuple(t.clone() for t in inputs))
-                return run(inputs)
-            chain.runners[index][method] = recording
-
     width = methods[PREFILL]
-    # Each pass: a few prefill chunks (filling the first half of the cache at most), then decode
-    # steps up to the end of the cache.
-    chunks_per_pass = max(1, min(wanted, (max_seq_len // 2) // width))
+    prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
+    decode_calls = prefill_calls * width
+    chain = eager_chain(model, shard_modules, methods, max_seq_len)
+    held_out: dict[int, dict[str, tuple]] = {index: {} for index in consumers}
+    holding_out = False
+    for index, consume in consumers.items():
+        for method, run in list(chain.runners[index].items()):
+            def feeding(inputs, run=run, method=method, consume=consume, store=held_out[index]):
+                if holding_out:
+                    store.setdefault(method, tuple(t.clone() for t in inputs))
+                else:
+                    consume(method, tuple(inputs))
+                return run(inputs)
+            chain.runners[index][method] = feeding
+
+    # Each pass: prefill chunks over the first half of the cache, then decode steps to its end,
+    # so inputs come with caches partly filled, as in real use.
+    chunks_per_pass = max(1, min(prefill_calls, (max_seq_len // 2) // width))
     decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - 1)
-    passes = max(-(-wanted // chunks_per_pass), -(-wanted // decode_per_pass))
-    per_pass = chunks_per_pass * width + min(decode_per_pass, wanted)
-    stream = token_stream(options, tokenizer, model.args.vocab_size, passes * per_pass)
-    cursor = 0
+    passes = max(-(-prefill_calls // chunks_per_pass), -(-decode_calls // decode_per_pass))
+    plan = []
+    prefill_left, decode_left = prefill_calls, decode_calls
     for _ in range(passes):
+        plan.append((min(chunks_per_pass, prefill_left), min(decode_per_pass, decode_left)))
+        prefill_left -= plan[-1][0]
+        decode_left -= plan[-1][1]
+    plan.append((1, 1))  # held out
+    stream = token_stream(options, tokenizer, model.args.vocab_size, sum(p * width + d for p, d in plan))
+    cursor = 0
+    for pass_index, (chunks, steps) in enumerate(plan):
+        holding_out = pass_index == len(plan) - 1
         chain.reset()
         pos = 0
-        for _ in range(chunks_per_pass):
+        for _ in range(chunks):
             chain.forward(PREFILL, stream[cursor : cursor + width], pos)
             pos += width
             cursor += width
-        for _ in range(min(decode_per_pass, wanted)):
+        for _ in range(steps):
             chain.forward(DECODE, [stream[cursor]], pos)
             pos += 1
             cursor += 1
-    return captured
+    return held_out
 
 
 def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:

@@ -6,6 +6,10 @@ Same weights, same function, different graph:
   does not apply to this model and crashes the x86 simulator when it does);
 - RMSNorm as one `rms_norm` op, which QNN runs as a single RmsNorm node: a quantized graph then
   never materialises x², whose range is what breaks 16-bit fixed point;
+- the additive mask clamped to [-32, 0] before it meets the scores (see HtpAttention);
+- rotary cos/sin looked up in a precomputed table rather than computed from the position: in a
+  quantized graph the angle (position x frequency) would be quantized over the positions seen in
+  calibration only, and positions beyond them would get wrong rotations;
 - every Linear as a 1x1 Conv2d (ExecuTorch's `convert_linear_to_conv2d`), which HTP runs faster
   and which block-quantized 4-bit weights need to pass HTP prepare.
 
@@ -22,7 +26,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composite.model.llama import Attention, RMSNorm, apply_rope
+from composite.model.llama import Attention, RMSNorm, apply_rope, rope_cos_sin
+
+
+class RopeTable(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, n_positions: int):
+        super().__init__()
+        cos, sin = rope_cos_sin(inv_freq, torch.arange(n_positions))
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def forward(self, input_pos):
+        return self.cos_table[input_pos], self.sin_table[input_pos]
+
+
+MASK_FLOOR = -32.0
 
 
 class HtpRMSNorm(nn.Module):
@@ -61,7 +79,10 @@ class HtpAttention(nn.Module):
         s = k_cache.shape[-1]
         rep = self.n_heads // self.n_kv_heads
         scale = 1.0 / math.sqrt(self.head_dim)
-        mask = mask.view(t, s + t)
+        # The runner's "hidden" value (-30000) would stretch the quantization range of the masked
+        # scores until visible scores lose their resolution; anything below -32 is already zero
+        # after softmax, so only [-32, 0] reaches the scores.
+        mask = torch.clamp(mask.view(t, s + t), min=MASK_FLOOR)
         k_news, v_news, outputs = [], [], []
         for g in range(self.n_kv_heads):
             k = apply_rope(self.wk[g](x), cos, sin)  # [b, t, hd]
@@ -78,15 +99,19 @@ class HtpAttention(nn.Module):
         return out, torch.stack(k_news, dim=1), torch.stack(v_news, dim=1)
 
 
-def htp_form(shard: nn.Module) -> nn.Module:
-    """A copy of `shard` in the HTP-friendly form; the caller's module is left as it was."""
+def htp_form(shard: nn.Module, n_positions: int, linear_as_conv: bool = True) -> nn.Module:
+    """A copy of `shard` in the HTP-friendly form; the caller's module is left as it was.
+    n_positions: how many positions the rotary table covers (cache length + widest call).
+    linear_as_conv=False keeps Linear modules, e.g. when linears are to be left to XNNPACK."""
     from executorch.backends.qualcomm.utils.utils import convert_linear_to_conv2d
 
     shard = copy.deepcopy(shard)
+    if len(shard.layers):
+        shard.rope = RopeTable(shard.inv_freq, n_positions)
     for layer in shard.layers.values():
         layer.attention = HtpAttention(layer.attention)
         layer.attention_norm = HtpRMSNorm(layer.attention_norm)
         layer.ffn_norm = HtpRMSNorm(layer.ffn_norm)
     if getattr(shard, "norm", None) is not None:
         shard.norm = HtpRMSNorm(shard.norm)
-    return convert_linear_to_conv2d(shard)
+    return convert_linear_to_conv2d(shard) if linear_as_conv else shard

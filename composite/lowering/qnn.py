@@ -53,31 +53,101 @@ def _module_path_predicate(pattern: str):
 def quantizer_for(options: dict):
     from executorch.backends.qualcomm.quantizer.quantizer import ModuleQConfig, QnnQuantizer, QuantDtype
 
-    def qconfig(precision: str):
-        return ModuleQConfig(getattr(QuantDtype, QUANT_DTYPES[precision]), is_conv_per_channel=True, is_linear_per_channel=True)
+    from torchao.quantization.pt2e import MinMaxObserver
 
-    quantizer = QnnQuantizer()
+    # Plain min/max over all calibration inputs: QNN's default moving-average observer tracks the
+    # mean per-call range, which clips the largest activations of a token it has not seen.
+    def qconfig(precision: str):
+        return ModuleQConfig(getattr(QuantDtype, QUANT_DTYPES[precision]), is_conv_per_channel=True,
+                             is_linear_per_channel=True, act_observer=MinMaxObserver)
+
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+
+    quantizer = QnnQuantizer(soc_model=getattr(QcomChipset, options["soc"]))
     quantizer.default_quant_config = qconfig(options["precision"])
     overrides = options.get("overrides") or {}
     quantizer.set_submodule_qconfig_list([(_module_path_predicate(p), qconfig(v)) for p, v in overrides.items()])
     return quantizer
 
 
-def quantize(module, example_inputs: dict, options: dict, samples: dict) -> dict:
-    """method -> converted GraphModule, calibrated with `samples[method]` (lists of input tuples)."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+class QnnShardLowering:
+    """One QNN shard through the three steps an export interleaves across shards:
+    built (HTP-friendly form; for quantized precisions also observers inserted per method), then
+    calibrated (the export feeds `observers` the shard's real inputs), then `lower`ed."""
 
-    converted = {}
-    for method, inputs in example_inputs.items():
-        if not samples.get(method):
-            raise UserError(f"no calibration samples for the {method} method of a {options['precision']} QNN shard")
+    def __init__(self, module, example_inputs: dict, options: dict):
+        from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+        from composite.lowering.htp_graph import htp_form
+
+        require_support()
+        self.example_inputs, self.options = example_inputs, options
+        self.skip_ops = skipped_op_set(options)
+        self.skip_ids = set(options.get("skip_node_ids") or [])
+        # Positions run up to cache length + call width (the padded tail of the last prefill
+        # chunk); the mask input [T, S + T] carries exactly that.
+        n_positions = max(inputs[2].shape[-1] if len(inputs) > 2 else 1 for inputs in example_inputs.values())
+        htp = htp_form(module, n_positions, linear_as_conv="aten.linear.default" not in self.skip_ops).eval()
+        self.calibrated = {method: 0 for method in example_inputs}
+        if options["precision"] == "fp16":
+            self.graphs = {method: htp for method in example_inputs}
+            return
+        self.graphs = {}
+        for method, inputs in example_inputs.items():
+            with torch.no_grad():
+                graph = torch.export.export(htp, inputs, strict=False).module()
+            self.graphs[method] = prepare_pt2e(graph, quantizer_for(options))
+
+    @property
+    def quantized(self) -> bool:
+        return self.options["precision"] != "fp16"
+
+    def observe(self, method: str, inputs) -> None:
+        """One calibration input (quantized precisions only)."""
         with torch.no_grad():
-            graph = torch.export.export(module, inputs, strict=False).module()
-            prepared = prepare_pt2e(graph, quantizer_for(options))
-            for sample in samples[method]:
-                prepared(*sample)
-            converted[method] = convert_pt2e(prepared)
-    return converted
+            self.graphs[method](*inputs)
+        self.calibrated[method] += 1
+
+    def lower(self):
+        """-> (EdgeProgramManager, notes). XNNPACK takes what QNN is told to skip."""
+        from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+        from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+        from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+        graphs = self.graphs
+        if self.quantized:
+            missing = [method for method, count in self.calibrated.items() if count == 0]
+            if missing:
+                raise UserError(f"no calibration inputs reached the {', '.join(missing)} method of a "
+                                f"{self.options['precision']} QNN shard")
+            graphs = {method: convert_pt2e(graph) for method, graph in graphs.items()}
+        spec = compile_spec(self.options)
+        programs, passes, partitioners = {}, {}, {}
+        for method, graph in graphs.items():
+            with torch.no_grad():
+                exported = torch.export.export(graph, self.example_inputs[method], strict=False)
+            pass_manager = get_qnn_pass_manager_cls()()
+            programs[method] = pass_manager.transform_for_export_pipeline(exported)
+            passes[method] = pass_manager.get_to_edge_transform_passes(
+                exported, compiler_specs=spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops
+            )
+            partitioners[method] = [QnnPartitioner(spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops)]
+            if self.skip_ops or self.skip_ids:
+                partitioners[method].append(XnnpackPartitioner())
+        with QnnManagerContext({method: spec for method in graphs}):
+            edge = to_edge_transform_and_lower(
+                programs, transform_passes=passes, partitioner=partitioners, compile_config=qnn_edge_config()
+            )
+        notes = []
+        if self.quantized:
+            notes.append("calibrated with " + ", ".join(f"{n} {m} inputs" for m, n in self.calibrated.items()))
+        if self.skip_ops or self.skip_ids:
+            notes.append(f"left to XNNPACK: ops {sorted(self.skip_ops) or '-'}, node ids {sorted(self.skip_ids) or '-'}")
+        return edge, notes
 
 
 def skipped_op_set(options: dict) -> set:
@@ -85,50 +155,6 @@ def skipped_op_set(options: dict) -> set:
     for name in options.get("skip_ops") or []:
         ops.add(name if name.endswith((".default", ".Tensor", ".Scalar", ".int", ".dim")) else f"{name}.default")
     return ops
-
-
-def lower(module, example_inputs: dict, options: dict, samples: dict | None = None):
-    """-> (EdgeProgramManager, notes). XNNPACK takes what QNN is told to skip."""
-    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
-    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
-    from executorch.backends.qualcomm.utils.qnn_sdk_setup import setup_qnn_sdk
-    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-
-    from composite.lowering.htp_graph import htp_form
-
-    require_support()
-    setup_qnn_sdk()
-    htp = htp_form(module).eval()
-    if options["precision"] == "fp16":
-        graphs = {method: htp for method in example_inputs}
-    else:
-        graphs = quantize(htp, example_inputs, options, samples or {})
-    spec = compile_spec(options)
-    skip_ops = skipped_op_set(options)
-    skip_ids = set(options.get("skip_node_ids") or [])
-    programs, passes, partitioners = {}, {}, {}
-    for method, graph in graphs.items():
-        with torch.no_grad():
-            exported = torch.export.export(graph, example_inputs[method], strict=False)
-        pass_manager = get_qnn_pass_manager_cls()()
-        programs[method] = pass_manager.transform_for_export_pipeline(exported)
-        passes[method] = pass_manager.get_to_edge_transform_passes(
-            exported, compiler_specs=spec, skip_node_id_set=skip_ids, skip_node_op_set=skip_ops
-        )
-        partitioners[method] = [QnnPartitioner(spec, skip_node_id_set=skip_ids, skip_node_op_set=skip_ops)]
-        if skip_ops or skip_ids:
-            partitioners[method].append(XnnpackPartitioner())
-    with QnnManagerContext({method: spec for method in graphs}):
-        edge = to_edge_transform_and_lower(
-            programs, transform_passes=passes, partitioner=partitioners, compile_config=qnn_edge_config()
-        )
-    notes = []
-    if skip_ops or skip_ids:
-        notes.append(f"left to XNNPACK: ops {sorted(skip_ops) or '-'}, node ids {sorted(skip_ids) or '-'}")
-    return edge, notes
 
 
 def qnn_backend_modules(edge) -> list:
@@ -142,11 +168,13 @@ def qnn_backend_modules(edge) -> list:
     return modules
 
 
-def share_spill_fill(edges: list) -> int:
-    """One spill-fill buffer size for every QNN context of every shard (the maximum any of them
-    needs), written into each context's compile spec. On device the HTP backend keeps one
-    process-wide buffer of that size for all of them."""
+def share_spill_fill(edges: list) -> tuple[int, list[int]]:
+    """One spill-fill buffer size for every QNN context of every shard: the maximum any of them
+    needs, written into each context's compile spec. On device the HTP backend keeps one
+    process-wide buffer of that size for all of them. Returns (shared size, each shard's own need)."""
     from executorch.backends.qualcomm.utils.utils import update_spill_fill_size
 
-    modules = [m for edge in edges for m in qnn_backend_modules(edge)]
-    return int(update_spill_fill_size(modules)) if modules else 0
+    own = [int(update_spill_fill_size(modules)) if (modules := qnn_backend_modules(edge)) else 0 for edge in edges]
+    every = [m for edge in edges for m in qnn_backend_modules(edge)]
+    shared = int(update_spill_fill_size(every)) if every else 0
+    return shared, own

@@ -184,16 +184,21 @@ def activate() -> QnnHost:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m composite.qnn_host [env|check]`: print shell exports, or a one-line status."""
+    """`python -m composite.qnn_host [install|env|check]`: install the pinned host libraries (unless
+    QNN_SDK_ROOT names an SDK), print shell exports for this machine, or a one-line status."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m composite.qnn_host", description=main.__doc__)
-    parser.add_argument("action", choices=["env", "check"], nargs="?", default="check")
+    parser.add_argument("action", choices=["install", "env", "check"], nargs="?", default="check")
     args = parser.parse_args(argv)
+    if args.action == "install" and not os.environ.get("QNN_SDK_ROOT"):
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", ONNXRUNTIME_QNN_PIN]
+        if subprocess.run(command).returncode != 0:
+            raise UserError(f"pip could not install {ONNXRUNTIME_QNN_PIN}")
     host = prepare()
     if args.action == "env":
         env = host.environment()
         for key in ("QNN_SDK_ROOT", "LD_LIBRARY_PATH", "COMPOSITE_QNN_REAL_HTP", ACTIVE_MARKER):
             print(f"export {key}='{env[key]}'")
     else:
-        print(f"QNN host libraries {host.build_id} from {host.source}; SDK-shaped folder {host.root}")
+        print(f"QNN host libraries {host.build_id} from {host.source}; SDK-shaped folder {host.root}", file=sys.stderr)

@@ -83,13 +83,14 @@ class ShardModule(nn.Module):
         self.norm = model.norm if spec.has_head else None
         self.output = model.output if spec.has_head else None
         self.register_buffer("inv_freq", model.inv_freq.clone(), persistent=False)
+        self.rope = None  # a module mapping input_pos -> (cos, sin); None computes them from inv_freq
 
     def forward(self, x, *layer_inputs):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         new_entries = []
         if len(self.layers):
             input_pos, mask, *caches = layer_inputs
-            cos, sin = rope_cos_sin(self.inv_freq, input_pos)
+            cos, sin = self.rope(input_pos) if self.rope is not None else rope_cos_sin(self.inv_freq, input_pos)
             for i, layer in enumerate(self.layers.values()):
                 h, k_new, v_new = layer(h, cos, sin, mask, caches[2 * i], caches[2 * i + 1])
                 new_entries += [k_new, v_new]

