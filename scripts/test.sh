@@ -7,10 +7,11 @@ cd "$(dirname "$0")/.."
 python3 -m pip install --quiet -e '.[test]'
 python3 -m composite.qnn_host install
 bash scripts/build_runner.sh build
+bash scripts/build_arm64.sh build-arm64   # cross-built runner, run under qemu by tests/test_arm64.py
 
 cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
 (cd build && "$cmake_bin" --output-on-failure)
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"
-export COMPOSITE_REQUIRE_QNN=1
+export COMPOSITE_REQUIRE_QNN=1 COMPOSITE_REQUIRE_ARM64=1
 python3 -m pytest -q "$@"
