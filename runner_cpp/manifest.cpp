@@ -53,7 +53,7 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     throw RunnerError(where + " is malformed JSON: " + e.what());
   }
   try {

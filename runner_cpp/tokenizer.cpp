@@ -4,6 +4,7 @@
 #include <pcre2.h>
 #include <sentencepiece_processor.h>
 
+#include <algorithm>
 #include <climits>
 #include <fstream>
 #include <sstream>
@@ -48,7 +49,9 @@ class SentencePieceTokenizer : public Tokenizer {
       }
     }
     // SentencePiece drops the boundary space at the start of a text.
-    const bool at_start = previous < 0 || processor_.IsControl(static_cast<int>(previous));
+    // (A model with a padded vocabulary can produce ids past the tokenizer's pieces.)
+    const bool at_start =
+        previous < 0 || (previous < processor_.GetPieceSize() && processor_.IsControl(static_cast<int>(previous)));
     if (at_start && !text.empty() && text[0] == ' ') text.erase(0, 1);
     return text;
   }
@@ -91,6 +94,7 @@ std::string base64_decode(const std::string& in, bool* ok) {
     if (bits >= 8) {
       bits -= 8;
       out += static_cast<char>((value >> bits) & 0xFF);
+      value &= (1 << bits) - 1;  // keep only the bits not yet emitted
     }
   }
   if (padding > 2) *ok = false;
@@ -104,6 +108,7 @@ class TiktokenTokenizer : public Tokenizer {
     if (!in) throw RunnerError("cannot read tokenizer " + path);
     std::string line;
     int line_number = 0;
+    long max_rank = -1;
     while (std::getline(in, line)) {
       ++line_number;
       if (line.empty()) continue;
@@ -117,11 +122,18 @@ class TiktokenTokenizer : public Tokenizer {
         ok = end != line.c_str() + space + 1 && *end == '\0' && rank >= 0 && rank < INT_MAX - kLlama3SpecialTokens;
       }
       if (!ok) throw RunnerError("tokenizer " + path + " line " + std::to_string(line_number) + " is not '<base64> <rank>'");
-      if (static_cast<size_t>(rank) >= decoder_.size()) decoder_.resize(rank + 1);
-      decoder_[rank] = bytes;
       encoder_[bytes] = static_cast<int>(rank);
+      max_rank = std::max(max_rank, rank);
     }
     if (encoder_.empty()) throw RunnerError("tokenizer " + path + " holds no tokens");
+    // Ranks number the tokens 0..N-1; a file whose ranks run far past its token count is not a
+    // tiktoken model (and would make the decoder table arbitrarily large).
+    if (static_cast<size_t>(max_rank) >= 2 * encoder_.size() + 1024) {
+      throw RunnerError("tokenizer " + path + " has rank " + std::to_string(max_rank) + " for only " +
+                        std::to_string(encoder_.size()) + " tokens: not a tiktoken ranks file");
+    }
+    decoder_.resize(static_cast<size_t>(max_rank) + 1);
+    for (const auto& [bytes, rank] : encoder_) decoder_[rank] = bytes;
     base_tokens_ = static_cast<int>(decoder_.size());
     int error_code = 0;
     PCRE2_SIZE error_offset = 0;

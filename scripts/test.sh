@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install test dependencies and the QNN host libraries, build composite_runner and its unit tests,
-# run ctest, then pytest (which also runs composite_runner end to end, QNN shards included).
+# Install test dependencies and the QNN host libraries; build composite_runner, its unit tests and
+# the aarch64 runner; run ctest, the sanitizer build and the fuzzers; then pytest (which also runs
+# composite_runner end to end, QNN shards and the emulated aarch64 runner included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +12,8 @@ bash scripts/build_arm64.sh build-arm64   # cross-built runner, run under qemu b
 
 cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
 (cd build && "$cmake_bin" --output-on-failure)
+bash scripts/sanitize.sh build-asan   # unit tests + one generation + bad inputs under ASan/UBSan
+bash scripts/fuzz.sh 45 build-fuzz     # libFuzzer: manifest loader, tiktoken loader, both tokenizers
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"
 export COMPOSITE_REQUIRE_QNN=1 COMPOSITE_REQUIRE_ARM64=1

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Build the C++ unit tests and composite_runner with AddressSanitizer + UndefinedBehaviorSanitizer,
+# run the unit tests, one end-to-end generation and a few bad inputs under them. Any sanitizer
+# report fails the script. Usage: scripts/sanitize.sh [build-dir]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build-asan}
+bash scripts/build_runner.sh "$build" -DCOMPOSITE_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+"$build/composite_unit_tests" --gtest_brief=1
+
+artifacts="$build/artifacts"
+python3 -m composite.export --shards 3 --max-seq-len 64 --prefill-len 8 --output "$artifacts" >/dev/null
+"$build/composite_runner" --artifacts "$artifacts" --prompt "Once upon a time" --max_new_tokens 32 \
+  --temperature 0.8 --top_p 0.9 --seed 3 --stats_json "$build/stats.json" --verify >/dev/null
+
+# Bad input must end in a clean error (exit 2), never in a sanitizer report (which aborts).
+expect_clean_error() {
+  local status=0
+  "$build/composite_runner" "$@" >/dev/null 2>"$build/stderr.txt" || status=$?
+  if [ "$status" -ne 2 ]; then
+    echo "error: composite_runner $* exited with $status under the sanitizers:" >&2
+    cat "$build/stderr.txt" >&2
+    exit 1
+  fi
+}
+expect_clean_error --artifacts "$build/missing" --prompt hi
+expect_clean_error --artifacts "$artifacts" --prompt ""
+expect_clean_error --artifacts "$artifacts" --prompt_ids 1,x
+expect_clean_error --artifacts "$artifacts" --prompt hi --seq_len 100000
+cp -r "$artifacts" "$build/broken"
+head -c 1000 "$artifacts/shard_01.pte" >"$build/broken/shard_01.pte"
+expect_clean_error --artifacts "$build/broken" --prompt hi
+echo '{"format": "composite-manifest", "shards": [' >"$build/broken/manifest.json"
+expect_clean_error --artifacts "$build/broken" --prompt hi
+echo "sanitizers: unit tests, generation and bad inputs clean"
