@@ -136,3 +136,30 @@ def test_export_summary_and_manifest(default_exports):
     assert [t["name"] for t in manifest["shards"][-1]["io"]["prefill"]["outputs"]][0] == "logits"
     for shard in manifest["shards"]:
         assert shard["delegates"]["decode"]["XnnpackBackend"] >= 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs: too small for any shard. Needs root (CI runs as root)."""
+    import subprocess
+
+    mount_point = tmp_path / "small_disk"
+    mount_point.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_out_of_disk_space_keeps_the_previous_export(small_disk):
+    previous = small_disk / "out"
+    previous.mkdir()
+    manifest = json.dumps({"format": "composite-manifest", "note": "an earlier export"})
+    (previous / "manifest.json").write_text(manifest)
+    result = run_cli("composite.export", "--output", str(previous), "--shards", "2", "--max-seq-len", "32",
+                     "--prefill-len", "4")
+    assert_clean_failure(result, "out of disk space")
+    assert sorted(p.name for p in small_disk.iterdir()) == ["out"]  # no staging folder left behind
+    assert [p.name for p in previous.iterdir()] == ["manifest.json"]
+    assert (previous / "manifest.json").read_text() == manifest
