@@ -13,7 +13,7 @@ bash scripts/build_arm64.sh build-arm64   # cross-built runner, run under qemu b
 cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
 (cd build && "$cmake_bin" --output-on-failure)
 bash scripts/sanitize.sh build-asan   # unit tests + one generation + bad inputs under ASan/UBSan
-bash scripts/fuzz.sh 45 build-fuzz     # libFuzzer: manifest loader, tiktoken loader, both tokenizers
+bash scripts/fuzz.sh 30 build-fuzz     # libFuzzer: manifest loader, tiktoken loader, both tokenizers
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"
 export COMPOSITE_REQUIRE_QNN=1 COMPOSITE_REQUIRE_ARM64=1
