@@ -187,7 +187,9 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
         for spec, placement, module in zip(specs, placements, modules):
             if placement.backend == "qnn":
                 qnn_jobs[spec.index] = QnnShardLowering(module, method_inputs(model.args, spec, config), placement.options)
-        print(f"calibrating {len(qnn_jobs)} QNN shard(s) with the float model", file=sys.stderr)
+        quantized = sum(job.quantized for job in qnn_jobs.values())
+        if quantized:
+            print(f"calibrating {quantized} quantized QNN shard(s) with the float model", file=sys.stderr)
         held_out = calibrate_qnn_shards(loaded, modules, qnn_jobs, config, tokenizer)
     entries: dict[int, dict] = {}
     pending_qnn = []  # QNN shards wait for the spill-fill size shared by all of them

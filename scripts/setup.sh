@@ -9,9 +9,10 @@ python3 -m pip install --quiet -e .
 python3 -m composite.qnn_host install   # onnxruntime-qnn's QNN host libraries, unless QNN_SDK_ROOT is set
 bash scripts/build_runner.sh build
 
-# The QNN libraries' routine chatter (info lines, the tested-API-version notice, a known harmless
+# Routine chatter of the QNN libraries and ExecuTorch's CPU probe (info lines, the tested-API-version
+# notice, a known harmless
 # HTP settings message) is filtered here; everything else reaches the terminal.
-qnn_noise='^\[INFO\]|LIBNATIVE|Qnn API version .* is tested against|unexpected GraphHtpSettings option'
+qnn_noise='^\[INFO\]|cpuinfo_utils|LIBNATIVE|Qnn API version .* is tested against|unexpected GraphHtpSettings option'
 python3 -m composite.export --config configs/default.yaml 2> >(grep -Ev "$qnn_noise" >&2)
 echo "--- composite_runner (C++)"
 eval "$(python3 -m composite.qnn_host env)"
