@@ -10,8 +10,7 @@ python3 -m composite.qnn_host install   # onnxruntime-qnn's QNN host libraries, 
 bash scripts/build_runner.sh build
 
 # Routine chatter of the QNN libraries and ExecuTorch's CPU probe (info lines, the tested-API-version
-# notice, a known harmless
-# HTP settings message) is filtered here; everything else reaches the terminal.
+# notice, a known harmless HTP settings message) is filtered here; everything else reaches the terminal.
 qnn_noise='^\[INFO\]|cpuinfo_utils|LIBNATIVE|Qnn API version .* is tested against|unexpected GraphHtpSettings option'
 python3 -m composite.export --config configs/default.yaml 2> >(grep -Ev "$qnn_noise" >&2)
 echo "--- composite_runner (C++)"
