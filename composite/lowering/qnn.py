@@ -2,8 +2,8 @@
 chosen ops to XNNPACK inside the same .pte.
 
 The shard is first rewritten into its HTP-friendly form (htp_graph.py). Quantized precisions are
-calibrated with the shard's real inputs (calibration.py captures them from the float model) and
-converted with ExecuTorch's QnnQuantizer through torchao's pt2e flow. Every QNN program is compiled
+calibrated with the shard's real inputs (calibration.py streams them from the float model into the
+observers) and converted with ExecuTorch's QnnQuantizer through torchao's pt2e flow. Every QNN program is compiled
 with multi-context enabled so that one spill-fill size, computed over all QNN shards of the export
 (`share_spill_fill`), can be written into each of them.
 """
