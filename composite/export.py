@@ -44,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--params", help="params.json for a Meta checkpoint")
     p.add_argument("--tokenizer", help="tokenizer.model (SentencePiece or tiktoken) or tokenizer.json")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default 512)")
-    p.add_argument("--prefill-len", type=int, help="tokens per prefill call (default 32)")
+    p.add_argument("--prefill-len", type=int, help="tokens per prefill call (default 64)")
     p.add_argument("--quantize", choices=["none", "8da4w"], help="XNNPACK weight quantization")
     p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
@@ -281,8 +281,8 @@ def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: Exp
             "dtype": "float32",
             "k_shape": k_shape,
             "v_shape": v_shape,
-            "k_new_shape": "[1, n_kv_heads, head_dim, T]",
-            "v_new_shape": "[1, n_kv_heads, T, head_dim]",
+            "k_new_shape": "[n_kv_heads, head_dim, T]",
+            "v_new_shape": "[n_kv_heads, T, head_dim]",
         },
         "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": manifest_schema.MASK_HIDDEN},
         "tokenizer": tokenizer_entry,

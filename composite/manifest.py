@@ -12,9 +12,9 @@ Schema, version 1 (every key is required unless marked optional):
   "methods": {"decode": 1, "prefill": int},   # method name -> tokens per call
   "kv_cache": {
      "dtype": "float32",
-     "k_shape": [1, n_kv_heads, head_dim, max_seq_len],   # sequence last
-     "v_shape": [1, n_kv_heads, max_seq_len, head_dim],
-     "k_new_shape": "[1, n_kv_heads, head_dim, T]", "v_new_shape": "[1, n_kv_heads, T, head_dim]"
+     "k_shape": [n_kv_heads, head_dim, max_seq_len],   # sequence last
+     "v_shape": [n_kv_heads, max_seq_len, head_dim],
+     "k_new_shape": "[n_kv_heads, head_dim, T]", "v_new_shape": "[n_kv_heads, T, head_dim]"
   },
   "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": float},
           # additive; columns 0..max_seq_len-1 are cache slots, the last T the call's own tokens
@@ -32,8 +32,9 @@ Schema, version 1 (every key is required unless marked optional):
   "versions": {"composite", "torch", "executorch", "torchao"}
 }
 Input names: "tokens" [1,T] int64 | "hidden" [1,T,dim]; then, for shards with layers, "input_pos"
-[T] int64, "mask", and "k_cache.L", "v_cache.L" per layer L. Outputs: "hidden" | "logits"
-[1,T,vocab], then "k_new.L", "v_new.L" per layer.
+[T] int64, "mask", and "k_cache.L", "v_cache.L" per layer L; the last shard's multi-token methods
+end with "logits_index" [1] int64 (the row of the last valid token). Outputs: "hidden" [1,T,dim] |
+"logits" [1,1,vocab] (the last token's only), then "k_new.L", "v_new.L" per layer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // The KV cache the runner owns, and the additive attention mask per method.
-// Layouts (manifest kv_cache): k [1, kv_heads, head_dim, S] (sequence last), v [1, kv_heads, S, head_dim].
-// New entries for a call of T tokens: k [1, kv_heads, head_dim, T], v [1, kv_heads, T, head_dim].
+// Layouts (manifest kv_cache): k [kv_heads, head_dim, S] (sequence last), v [kv_heads, S, head_dim].
+// New entries for a call of T tokens: k [kv_heads, head_dim, T], v [kv_heads, T, head_dim].
 #pragma once
 #include <cstdint>
 #include <vector>

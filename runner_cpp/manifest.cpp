@@ -91,8 +91,8 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     }
     m.k_shape = require(kv, "k_shape", where + " kv_cache").get<std::vector<int64_t>>();
     m.v_shape = require(kv, "v_shape", where + " kv_cache").get<std::vector<int64_t>>();
-    const std::vector<int64_t> k_expected = {1, m.n_kv_heads, m.head_dim, m.max_seq_len};
-    const std::vector<int64_t> v_expected = {1, m.n_kv_heads, m.max_seq_len, m.head_dim};
+    const std::vector<int64_t> k_expected = {m.n_kv_heads, m.head_dim, m.max_seq_len};
+    const std::vector<int64_t> v_expected = {m.n_kv_heads, m.max_seq_len, m.head_dim};
     if (m.k_shape != k_expected || m.v_shape != v_expected) {
       throw RunnerError(where + ": kv_cache shapes do not match the model and max_seq_len");
     }

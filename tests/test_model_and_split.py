@@ -44,8 +44,8 @@ def test_static_cache_step_equals_full_attention():
     tokens = torch.randint(0, DEFAULT_ARGS.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
     full = model.forward_full(tokens)
     s = 16
-    k = [torch.zeros(1, DEFAULT_ARGS.n_kv_heads, DEFAULT_ARGS.head_dim, s) for _ in model.layers]
-    v = [torch.zeros(1, DEFAULT_ARGS.n_kv_heads, s, DEFAULT_ARGS.head_dim) for _ in model.layers]
+    k = [torch.zeros(DEFAULT_ARGS.n_kv_heads, DEFAULT_ARGS.head_dim, s) for _ in model.layers]
+    v = [torch.zeros(DEFAULT_ARGS.n_kv_heads, s, DEFAULT_ARGS.head_dim) for _ in model.layers]
     with torch.no_grad():
         for pos in range(tokens.shape[1]):
             mask = torch.full((1, s + 1), -30000.0)
@@ -56,7 +56,7 @@ def test_static_cache_step_equals_full_attention():
             for i, layer in enumerate(model.layers):
                 h, k_new, v_new = layer(h, cos, sin, mask, k[i], v[i])
                 k[i][..., pos] = k_new[..., 0]
-                v[i][:, :, pos] = v_new[:, :, 0]
+                v[i][:, pos] = v_new[:, 0]
             logits = model.output(model.norm(h))[0, 0]
             assert torch.allclose(logits, full[0, pos], atol=1e-5)
 

@@ -92,11 +92,11 @@ class HtpAttention(nn.Module):
             v_news.append(v)
             for r in range(rep):
                 q = apply_rope(self.wq[g * rep + r](x), cos, sin) * scale
-                scores = torch.cat((q @ k_cache[:, g], q @ k_t), dim=-1) + mask
+                scores = torch.cat((q @ k_cache[g : g + 1], q @ k_t), dim=-1) + mask
                 probs = torch.softmax(scores, dim=-1)
-                outputs.append(probs[..., :s] @ v_cache[:, g] + probs[..., s:] @ v)
+                outputs.append(probs[..., :s] @ v_cache[g : g + 1] + probs[..., s:] @ v)
         out = self.wo(torch.cat(outputs, dim=-1))
-        return out, torch.stack(k_news, dim=1), torch.stack(v_news, dim=1)
+        return out, torch.cat(k_news, dim=0), torch.cat(v_news, dim=0)
 
 
 def htp_form(shard: nn.Module, n_positions: int, linear_as_conv: bool = True) -> nn.Module:

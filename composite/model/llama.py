@@ -4,9 +4,11 @@ The decoder layers never own a cache. Each takes its layer's cache tensors as in
 entries for the current positions; the runner owns the cache and writes those entries into it.
 
 Cache layout (one source of truth: `cache_shapes`):
-  k cache [1, n_kv_heads, head_dim, max_seq_len]  (sequence last, so q @ k needs no transpose)
-  v cache [1, n_kv_heads, max_seq_len, head_dim]
-New entries for T tokens come back as k [1, n_kv_heads, head_dim, T] and v [1, n_kv_heads, T, head_dim].
+  k cache [n_kv_heads, head_dim, max_seq_len]  (sequence last, so q @ k needs no transpose)
+  v cache [n_kv_heads, max_seq_len, head_dim]
+New entries for T tokens come back as k [n_kv_heads, head_dim, T] and v [n_kv_heads, T, head_dim].
+Three dimensions, so attention is a plain batched matmul over the KV heads: a 4-D matmul would be
+lowered as expand + reshape + bmm, and both copy the whole cache on every call.
 
 Attention runs over the S cached slots plus the T new tokens. The additive mask [T, S + T] is an
 input, so the runner alone decides which cache slots are valid; the scores against the cache and
@@ -116,21 +118,22 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache):
-        """Static-cache step: returns (output, new k entries, new v entries)."""
+        """Static-cache step (batch 1): returns (output, new k entries, new v entries)."""
         b, t, _ = x.shape
         kv, hd = self.n_kv_heads, self.head_dim
         rep = self.n_heads // kv
         s = k_cache.shape[-1]
         q, k, v = self._project(x, cos, sin)
         # Heads h = g * rep + r share kv group g: fold the group's heads into rows so the
-        # grouped matmul reads each cache once instead of repeating it per head.
-        q = q.reshape(b, kv, rep * t, hd) * (1.0 / math.sqrt(hd))
-        k_new = k.transpose(2, 3)  # [b, kv, hd, t]
-        scores = torch.cat((q @ k_cache, q @ k_new), dim=-1).view(b, kv, rep, t, s + t) + mask
-        probs = torch.softmax(scores, dim=-1).view(b, kv, rep * t, s + t)
-        out = probs[..., :s] @ v_cache + probs[..., s:] @ v
+        # batched matmul reads each cache once instead of repeating it per head.
+        q = q.reshape(kv, rep * t, hd) * (1.0 / math.sqrt(hd))
+        k_new = k.reshape(kv, t, hd).transpose(1, 2)  # [kv, hd, t]
+        v_new = v.reshape(kv, t, hd)
+        scores = torch.cat((torch.bmm(q, k_cache), torch.bmm(q, k_new)), dim=-1).view(kv, rep, t, s + t) + mask
+        probs = torch.softmax(scores, dim=-1).view(kv, rep * t, s + t)
+        out = torch.bmm(probs[..., :s], v_cache) + torch.bmm(probs[..., s:], v_new)
         out = out.view(b, self.n_heads, t, hd).transpose(1, 2).reshape(b, t, self.n_heads * hd)
-        return self.wo(out), k_new, v
+        return self.wo(out), k_new, v_new
 
     def forward_full(self, x, cos, sin):
         """Plain causal attention over the whole sequence: the reference path, no cache."""
@@ -198,8 +201,8 @@ class Transformer(nn.Module):
 def cache_shapes(args: ModelArgs, max_seq_len: int) -> tuple[list[int], list[int]]:
     """Shapes of one layer's k and v cache."""
     return (
-        [1, args.n_kv_heads, args.head_dim, max_seq_len],
-        [1, args.n_kv_heads, max_seq_len, args.head_dim],
+        [args.n_kv_heads, args.head_dim, max_seq_len],
+        [args.n_kv_heads, max_seq_len, args.head_dim],
     )
 
 

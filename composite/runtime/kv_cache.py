@@ -13,9 +13,9 @@ class KVCache:
         self.v = [torch.zeros(v_shape, dtype=torch.float32) for _ in range(n_layers)]
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos: int, count: int) -> None:
-        """Store the first `count` new entries (k [1,kv,hd,T], v [1,kv,T,hd]) at slots pos.."""
-        self.k[layer][:, :, :, pos : pos + count] = k_new[:, :, :, :count]
-        self.v[layer][:, :, pos : pos + count, :] = v_new[:, :, :count, :]
+        """Store the first `count` new entries (k [kv,hd,T], v [kv,T,hd]) at slots pos.."""
+        self.k[layer][:, :, pos : pos + count] = k_new[:, :, :count]
+        self.v[layer][:, pos : pos + count, :] = v_new[:, :count, :]
 
     def reset(self) -> None:
         for t in (*self.k, *self.v):

@@ -24,7 +24,7 @@ json valid() {
   return {{"format", "composite-manifest"}, {"version", 1}, {"export_id", "x"},
           {"model", {{"dim", 8}, {"n_layers", 1}, {"n_heads", 2}, {"n_kv_heads", 1}, {"head_dim", 4}, {"vocab_size", 10}}},
           {"max_seq_len", 16}, {"methods", {{"decode", 1}}},
-          {"kv_cache", {{"dtype", "float32"}, {"k_shape", {1, 1, 4, 16}}, {"v_shape", {1, 1, 16, 4}}}},
+          {"kv_cache", {{"dtype", "float32"}, {"k_shape", {1, 4, 16}}, {"v_shape", {1, 16, 4}}}},
           {"mask", {{"hidden", -30000.0}}}, {"tokenizer", nullptr}, {"bos_id", 1}, {"eos_ids", {2}},
           {"shards", {{{"index", 0}, {"file", "shard_00.pte"}, {"sha256", "a"}, {"size", 10}, {"layers", {0, 1}},
                        {"has_embedding", true}, {"has_head", false}, {"io", io0}},
@@ -72,7 +72,7 @@ TEST(Manifest, RejectsBrokenManifestsWithAMessage) {
   j["shards"][0].erase("io");
   EXPECT_NE(error_of(j).find("has no 'io'"), std::string::npos);
   j = valid();
-  j["kv_cache"]["k_shape"] = {1, 1, 16, 4};
+  j["kv_cache"]["k_shape"] = {1, 16, 4};
   EXPECT_NE(error_of(j).find("kv_cache shapes"), std::string::npos);
   j = valid();
   j["max_seq_len"] = "long";
