@@ -7,8 +7,36 @@ import copy
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import to_edge_transform_and_lower
+from torch import nn
 
 from composite.lowering import export_methods
+from composite.model.llama import RMSNorm
+
+
+class XnnpackRMSNorm(nn.Module):
+    """RMSNorm with mean(x^2) as a matmul by a constant 1/dim column. XNNPACK has no mean over the
+    last dimension of a 3-D tensor; left to ExecuTorch's CPU kernel, every norm would cut a layer
+    into separate delegate calls."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.eps = norm.eps
+        self.weight = norm.weight
+        dim = norm.weight.shape[0]
+        self.register_buffer("mean_column", torch.full((dim, 1), 1.0 / dim), persistent=False)
+
+    def forward(self, x):
+        return x * torch.rsqrt((x * x) @ self.mean_column + self.eps) * self.weight
+
+
+def xnnpack_form(module: nn.Module) -> nn.Module:
+    """A copy of `module` with XNNPACK-friendly norms; parameters are shared, not copied."""
+    module = copy.deepcopy(module, memo={id(p): p for p in module.parameters()})
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, RMSNorm):
+                setattr(parent, name, XnnpackRMSNorm(child))
+    return module
 
 
 def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.Module, list[str]]:
@@ -41,6 +69,7 @@ def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.M
 
 def lower(module, example_inputs: dict, options: dict):
     notes = []
+    module = xnnpack_form(module)
     if options.get("quantize") == "8da4w":
         module, notes = quantize_8da4w(module, options["group_size"])
     edge = to_edge_transform_and_lower(export_methods(module, example_inputs), partitioner=[XnnpackPartitioner()])
