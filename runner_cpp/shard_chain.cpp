@@ -59,6 +59,7 @@ ShardChain::ShardChain(const Manifest& m)
     b.tokens_tensor = wrap(b.tokens.data(), {1, width}, ScalarType::Long);
     b.positions_tensor = wrap(b.positions.data(), {width}, ScalarType::Long);
     b.mask_tensor = wrap(b.mask->data(), {width, m.max_seq_len + width}, ScalarType::Float);
+    b.logits_index_tensor = wrap(&b.logits_index, {1}, ScalarType::Long);
   }
   for (const ShardInfo& shard : m.shards) {
     auto module = std::make_unique<Module>(m.path_of(shard.file), Module::LoadMode::Mmap);
@@ -117,6 +118,10 @@ void ShardChain::check_method(const ShardInfo& shard, const std::string& method)
       names.push_back("v_cache." + std::to_string(l));
     }
   }
+  if (s.has_head && manifest_.methods.at(method) > 1) names.push_back("logits_index");
+  if (names.size() != io.inputs.size()) {
+    throw RunnerError(where + " has " + std::to_string(io.inputs.size()) + " inputs, this runner feeds " + std::to_string(names.size()));
+  }
   for (size_t i = 0; i < names.size(); ++i) {
     if (io.inputs[i].name != names[i]) {
       throw RunnerError(where + ": input " + std::to_string(i) + " is '" + io.inputs[i].name + "', expected '" + names[i] + "'");
@@ -134,6 +139,7 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
     b.positions[i] = pos + i;
   }
   b.mask->at(pos);
+  b.logits_index = count - 1;
   EValue hidden;
   for (const ShardInfo& shard : manifest_.shards) {
     std::vector<EValue>& in = inputs_[shard.index];
@@ -147,6 +153,7 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
         in.emplace_back(*v_tensors_[l]);
       }
     }
+    if (shard.has_head && b.width > 1) in.emplace_back(*b.logits_index_tensor);
     const auto start = std::chrono::steady_clock::now();
     auto outputs = modules_[shard.index]->execute(method, in);
     shard_seconds_[shard.index] += seconds_since(start);
@@ -163,8 +170,7 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
     kv_write_seconds_ += seconds_since(write_start);
     hidden = (*outputs)[0];
   }
-  const auto& logits = hidden.toTensor();
-  return logits.const_data_ptr<float>() + static_cast<size_t>(count - 1) * manifest_.vocab_size;
+  return hidden.toTensor().const_data_ptr<float>();  // [1, 1, vocab]
 }
 
 void ShardChain::reset_stats() {

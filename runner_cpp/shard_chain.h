@@ -19,7 +19,7 @@ class ShardChain {
  public:
   explicit ShardChain(const Manifest& manifest);
 
-  // Runs `tokens` (1 .. width of `method`) at positions pos..; returns logits of the last valid token.
+  // Runs `tokens` (1 .. width of `method`) at positions pos..; returns logits of the last token.
   const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos);
 
   // Time spent per shard and in KV writes since the last reset_stats().
@@ -31,8 +31,9 @@ class ShardChain {
   struct MethodBuffers {
     int width = 0;
     std::vector<int64_t> tokens, positions;
+    int64_t logits_index = 0;  // the row of the last valid token, for the head shard's multi-token methods
     std::unique_ptr<AttentionMask> mask;
-    executorch::extension::TensorPtr tokens_tensor, positions_tensor, mask_tensor;
+    executorch::extension::TensorPtr tokens_tensor, positions_tensor, mask_tensor, logits_index_tensor;
   };
   void check_method(const ShardInfo& shard, const std::string& method);
 

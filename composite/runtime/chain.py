@@ -29,7 +29,7 @@ class Chain:
         self.shard_seconds = [0.0] * len(shards)
 
     def forward(self, method: str, tokens: list[int], pos: int) -> torch.Tensor:
-        """Logits [count, vocab] for `tokens` (at most the method's T) placed at positions pos.."""
+        """Logits [vocab] of the last of `tokens` (at most the method's T) placed at positions pos.."""
         width = self.methods[method]
         count = len(tokens)
         if not 0 < count <= width:
@@ -47,13 +47,15 @@ class Chain:
                 inputs += [positions, mask]
                 for layer in range(first, end):
                     inputs += [self.cache.k[layer], self.cache.v[layer]]
+            if shard["has_head"] and width > 1:
+                inputs.append(torch.tensor([count - 1], dtype=torch.int64))
             started = time.perf_counter()
             outputs = runners[method](inputs)
             self.shard_seconds[shard["index"]] += time.perf_counter() - started
             x = outputs[0]
             for i, layer in enumerate(range(first, end)):
                 self.cache.write(layer, outputs[1 + 2 * i], outputs[2 + 2 * i], pos, count)
-        return x[0, :count]
+        return x[0, -1]
 
     def reset(self) -> None:
         self.cache.reset()
@@ -100,7 +102,8 @@ def eager_chain(model, shard_modules: list, methods: dict[str, int], max_seq_len
                 return list(module(*inputs))
         return run
 
-    shards = [{"index": m.spec.index, "layers": [m.spec.layer_start, m.spec.layer_end]} for m in shard_modules]
+    shards = [{"index": m.spec.index, "layers": [m.spec.layer_start, m.spec.layer_end], "has_head": m.spec.has_head}
+              for m in shard_modules]
     runners = [{name: runner(m) for name in methods} for m in shard_modules]
     k_shape, v_shape = cache_shapes(model.args, max_seq_len)
     cache = KVCache(model.args.n_layers, k_shape, v_shape)

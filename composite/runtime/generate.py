@@ -15,7 +15,9 @@ from composite.manifest import DECODE, PREFILL
 class Generation:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)  # generated ids
-    logits: list[torch.Tensor] = field(default_factory=list)  # per prompt position, then per step
+    # position p -> logits predicting the token at p + 1: the last of each prefill chunk, then
+    # every decode step (the reference has every position)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     first_token_seconds: float = 0.0
@@ -38,10 +40,9 @@ def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation)
         chunk = prompt[start : start + width]
         # A lone trailing token is cheaper through decode than padded through prefill.
         method = DECODE if len(chunk) == 1 else PREFILL
-        logits = chain.forward(method, chunk, start)
+        last = chain.forward(method, chunk, start)
         if keep_logits:
-            generation.logits.extend(logits.clone())
-        last = logits[-1]
+            generation.logits[start + len(chunk) - 1] = last.clone()
     return last
 
 
@@ -68,9 +69,9 @@ def generate(chain, prompt: list[int], max_new_tokens: int, sampler, eos_ids=(),
         if pos >= chain.max_seq_len:
             generation.stop_reason = "max_seq_len"
             break
-        logits = chain.forward(DECODE, [token], pos)[-1]
+        logits = chain.forward(DECODE, [token], pos)
         if keep_logits:
-            generation.logits.append(logits.clone())
+            generation.logits[pos] = logits.clone()
         token = sampler(logits)
         pos += 1
     generation.decode_seconds = time.perf_counter() - decode_started

@@ -39,7 +39,8 @@ def generate_reference(model: Transformer, prompt: list[int], max_new_tokens: in
     while True:
         logits = model.forward_full(torch.tensor([sequence]))[0]
         if keep_logits:
-            generation.logits.extend(logits if not generation.logits else logits[-1:])
+            for position in range(len(generation.logits), len(sequence)):
+                generation.logits[position] = logits[position]
         token = sampler(logits[-1])
         if not generation.tokens:
             generation.first_token_seconds = generation.prefill_seconds = time.perf_counter() - started

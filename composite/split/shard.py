@@ -24,6 +24,9 @@ class TensorSpec:
         return torch.randn(self.shape, dtype=self.dtype) * 0.1
 
 
+LOGITS_INDEX = "logits_index"
+
+
 def k_cache_name(layer: int) -> str:
     return f"k_cache.{layer}"
 
@@ -50,7 +53,8 @@ def shard_io(model_args, spec: ShardSpec, n_tokens: int, max_seq_len: int) -> tu
         inputs.append(TensorSpec("hidden", (1, n_tokens, dim), torch.float32))
     outputs: list[TensorSpec] = []
     if spec.has_head:
-        outputs.append(TensorSpec("logits", (1, n_tokens, model_args.vocab_size), torch.float32))
+        # Only the last valid token's logits are ever sampled: the head runs on that one row.
+        outputs.append(TensorSpec("logits", (1, 1, model_args.vocab_size), torch.float32))
     else:
         outputs.append(TensorSpec("hidden", (1, n_tokens, dim), torch.float32))
     if len(spec.layers):
@@ -63,14 +67,17 @@ def shard_io(model_args, spec: ShardSpec, n_tokens: int, max_seq_len: int) -> tu
             inputs.append(TensorSpec(v_cache_name(layer), tuple(v_shape), torch.float32))
             outputs.append(TensorSpec(k_new_name(layer), tuple(k_new), torch.float32))
             outputs.append(TensorSpec(v_new_name(layer), tuple(v_new), torch.float32))
+    if spec.has_head and n_tokens > 1:
+        inputs.append(TensorSpec(LOGITS_INDEX, (1,), torch.int64))  # which of the T rows gets logits
     return inputs, outputs
 
 
 class ShardModule(nn.Module):
     """Embedding (shard 0), a run of decoder layers, final norm + output (last shard).
 
-    forward(x, [input_pos, mask, k_cache_a, v_cache_a, k_cache_a+1, ...]) ->
+    forward(x, [input_pos, mask, k_cache_a, v_cache_a, k_cache_a+1, ...], [logits_index]) ->
         (hidden or logits, k_new_a, v_new_a, ...)
+    logits_index: multi-token methods of the last shard only; logits are [1, 1, vocab] either way.
     """
 
     def __init__(self, model: Transformer, spec: ShardSpec):
@@ -85,9 +92,11 @@ class ShardModule(nn.Module):
         self.register_buffer("inv_freq", model.inv_freq.clone(), persistent=False)
         self.rope = None  # a module mapping input_pos -> (cos, sin); None computes them from inv_freq
 
-    def forward(self, x, *layer_inputs):
+    def forward(self, x, *inputs):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         new_entries = []
+        n_layer_inputs = 2 + 2 * len(self.layers) if len(self.layers) else 0
+        layer_inputs, extra = inputs[:n_layer_inputs], inputs[n_layer_inputs:]
         if len(self.layers):
             input_pos, mask, *caches = layer_inputs
             cos, sin = self.rope(input_pos) if self.rope is not None else rope_cos_sin(self.inv_freq, input_pos)
@@ -95,5 +104,6 @@ class ShardModule(nn.Module):
                 h, k_new, v_new = layer(h, cos, sin, mask, caches[2 * i], caches[2 * i + 1])
                 new_entries += [k_new, v_new]
         if self.output is not None:
+            h = h.index_select(1, extra[0]) if extra else h[:, -1:]
             h = self.output(self.norm(h))
         return (h, *new_entries)
