@@ -2,7 +2,7 @@
 //
 //   composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3)
 //       [--seq_len N] [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
-//       [--stats_json FILE] [--verify]
+//       [--stats_json FILE] [--verify] [--threads N]
 //
 // Text streams to stdout; a one-line summary goes to stderr, and the full stats to --stats_json.
 #include <sys/resource.h>
@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_backend.h"
 #include "error.h"
 #include "manifest.h"
 #include "qnn_libraries.h"
@@ -37,12 +38,13 @@ struct Options {
   float temperature = 0.f, top_p = 1.f;
   uint64_t seed = 0;
   bool verify = false;
+  int threads = 0;  // 0 = the performant cores
 };
 
 const char* kUsage =
     "usage: composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3)\n"
     "         [--seq_len N] [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]\n"
-    "         [--stats_json FILE] [--verify]\n";
+    "         [--stats_json FILE] [--verify] [--threads N]\n";
 
 double parse_number(const std::string& flag, const std::string& text, double lo, double hi) {
   char* end = nullptr;
@@ -77,7 +79,7 @@ Options parse_options(int argc, char** argv) {
       throw RunnerError(arg + " needs a value");
     }
     static const char* known[] = {"--artifacts", "--prompt", "--prompt_file", "--prompt_ids", "--seq_len", "--max_new_tokens",
-                                  "--temperature", "--top_p", "--seed", "--stats_json"};
+                                  "--temperature", "--top_p", "--seed", "--stats_json", "--threads"};
     bool ok = false;
     for (const char* k : known) ok |= arg == k;
     if (!ok) throw RunnerError("unknown flag '" + arg + "' (see --help)");
@@ -96,6 +98,7 @@ Options parse_options(int argc, char** argv) {
   if (values.count("--top_p")) o.top_p = static_cast<float>(parse_number("--top_p", values["--top_p"], 1e-9, 1));
   if (values.count("--seed")) o.seed = static_cast<uint64_t>(parse_number("--seed", values["--seed"], 0, 1.8e19));
   if (values.count("--stats_json")) o.stats_json = values["--stats_json"];
+  if (values.count("--threads")) o.threads = static_cast<int>(parse_number("--threads", values["--threads"], 1, 256));
   return o;
 }
 
@@ -135,10 +138,17 @@ std::vector<int64_t> prompt_tokens(const Options& o, const Manifest& m, const To
   return tokenizer->encode(text, m.bos_id >= 0);
 }
 
+// This process's own high-water mark. getrusage's ru_maxrss would do, except that Linux carries
+// the parent's peak across fork+exec, so a runner started by a big Python process reports that.
 double peak_rss_mb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;
+  }
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss / 1024.0;  // ru_maxrss is in KiB on Linux
+  return usage.ru_maxrss / 1024.0;  // KiB on Linux
 }
 
 double since(std::chrono::steady_clock::time_point start) {
@@ -170,6 +180,7 @@ int run(int argc, char** argv) {
                 << "; context binaries may be rejected or behave differently\n";
     }
   }
+  const int threads = configure_cpu_backend(o.threads);
   ShardChain chain(manifest);
   const double load_seconds = since(load_start);
 
@@ -196,6 +207,9 @@ int run(int argc, char** argv) {
   }
   int64_t token = sampler.sample(logits, manifest.vocab_size);
   const double prefill_seconds = since(prefill_start);
+  std::vector<double> prefill_shard_ms;
+  for (double s : chain.shard_seconds()) prefill_shard_ms.push_back(s * 1e3 / prompt.size());
+  const double prefill_kv_write_ms = chain.kv_write_seconds() * 1e3 / prompt.size();
   chain.reset_stats();
 
   std::string stop_reason;
@@ -239,10 +253,22 @@ int run(int argc, char** argv) {
   for (double s : chain.shard_seconds()) per_shard.push_back(decode_calls ? s * 1e3 / decode_calls : 0.0);
   stats["shard_ms_per_token"] = per_shard;
   stats["kv_write_ms_per_token"] = decode_calls ? chain.kv_write_seconds() * 1e3 / decode_calls : 0.0;
+  stats["prefill_shard_ms_per_token"] = prefill_shard_ms;
+  stats["prefill_kv_write_ms_per_token"] = prefill_kv_write_ms;
+  stats["prefill_width"] = width;
+  stats["threads"] = threads;
   stats["peak_rss_mb"] = peak_rss_mb();
   std::vector<std::string> backends;
   for (const auto& s : manifest.shards) backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
   stats["shard_backends"] = backends;
+  std::vector<std::string> layers;
+  for (const auto& s : manifest.shards) {
+    std::string label = s.has_embedding ? "emb" : "";
+    if (s.has_layers()) label += (label.empty() ? "" : "+") + ("L" + std::to_string(s.layer_first) + "-L" + std::to_string(s.layer_end - 1));
+    if (s.has_head) label += (label.empty() ? "" : "+") + std::string("head");
+    layers.push_back(label);
+  }
+  stats["shard_layers"] = layers;
   std::fprintf(stderr, "prompt %zu tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode %.1f tok/s, peak RSS %.0f MB\n",
                prompt.size(), generated.size(), stop_reason.c_str(), load_seconds * 1e3, prefill_seconds * 1e3,
                stats["prefill_tokens_per_s"].get<double>(), stats["decode_tokens_per_s"].get<double>(), peak_rss_mb());
