@@ -3,7 +3,7 @@
 YAML keys (all optional):
   checkpoint, params, tokenizer   paths; no checkpoint means the embedded default
   max_seq_len                     KV cache length (positions), default 512
-  prefill_len                     tokens per call of each shard's prefill method, default 32
+  prefill_len                     tokens per call of each shard's prefill method, default 64
   shards                          number of shards, default 1
   layers_per_shard                explicit decoder-layer count per shard (else balanced by bytes)
   placement                       backend per shard: one name for all, a list, or a mapping
@@ -61,7 +61,7 @@ class ExportConfig:
     params: str | None = None
     tokenizer: str | None = None
     max_seq_len: int = 512
-    prefill_len: int = 32
+    prefill_len: int = 64
     shards: int = 1
     layers_per_shard: list[int] | None = None
     placement: object = "xnnpack"  # as written; resolved by `placements()`
