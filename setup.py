@@ -17,6 +17,7 @@ setup(
         "safetensors",
         "pyyaml",
         "tqdm",
+        "matplotlib",  # composite.report and composite.bench pictures
         "cmake>=3.28",
     ],
     extras_require={"test": ["pytest", "transformers"]},

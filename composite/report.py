@@ -1,0 +1,152 @@
+"""python -m composite.report: where the time goes, from composite_runner --stats_json files.
+
+One or more stats files (several compare placements side by side) become a PNG of time per token
+spent in each shard, coloured by backend, and in KV-cache writes, for decode and for prefill, and
+a markdown table of the same numbers on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from composite.errors import UserError, exits_cleanly
+
+BACKEND_COLOURS = {"XnnpackBackend": "#4C78A8", "QnnBackend": "#F58518", "portable": "#9D9D9D"}
+KV_COLOUR = "#54A24B"
+
+
+@dataclass
+class RunTimes:
+    """Per-token milliseconds of one run, as plotted."""
+
+    label: str
+    shard_labels: list[str]  # e.g. "0 emb", "1 L0-L2"
+    backends: list[str]
+    decode_ms: list[float]  # per shard
+    prefill_ms: list[float]  # per shard
+    decode_kv_ms: float
+    prefill_kv_ms: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+
+
+def _number_list(stats: dict, key: str, count: int, source: str) -> list[float]:
+    values = stats.get(key)
+    if not isinstance(values, list) or len(values) != count or not all(isinstance(v, (int, float)) for v in values):
+        raise UserError(f"{source}: '{key}' must be a list of {count} numbers, one per shard")
+    return [float(v) for v in values]
+
+
+def read_stats(path: Path, label: str | None = None) -> RunTimes:
+    try:
+        stats = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"stats file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read stats file {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"stats file {path} is not valid JSON: {e}") from None
+    if not isinstance(stats, dict) or stats.get("runner") != "composite_runner":
+        raise UserError(f"{path} is not a composite_runner --stats_json file")
+    backends = stats.get("shard_backends")
+    if not isinstance(backends, list) or not backends:
+        raise UserError(f"{path}: 'shard_backends' is missing; write it with this version of composite_runner")
+    n = len(backends)
+    layers = stats.get("shard_layers") or [""] * n
+    for key in ("kv_write_ms_per_token", "prefill_kv_write_ms_per_token", "decode_tokens_per_s", "prefill_tokens_per_s"):
+        if not isinstance(stats.get(key), (int, float)):
+            raise UserError(f"{path}: '{key}' must be a number")
+    return RunTimes(
+        label=label or Path(path).stem,
+        shard_labels=[f"{i} {layer}".strip() for i, layer in enumerate(layers)],
+        backends=[str(b) for b in backends],
+        decode_ms=_number_list(stats, "shard_ms_per_token", n, str(path)),
+        prefill_ms=_number_list(stats, "prefill_shard_ms_per_token", n, str(path)),
+        decode_kv_ms=float(stats["kv_write_ms_per_token"]),
+        prefill_kv_ms=float(stats["prefill_kv_write_ms_per_token"]),
+        decode_tokens_per_s=float(stats["decode_tokens_per_s"]),
+        prefill_tokens_per_s=float(stats["prefill_tokens_per_s"]),
+    )
+
+
+def markdown_table(runs: list[RunTimes]) -> str:
+    rows = ["| run | shard | backend | decode ms/token | prefill ms/token |", "|---|---|---|---:|---:|"]
+    for run in runs:
+        for name, backend, d, p in zip(run.shard_labels, run.backends, run.decode_ms, run.prefill_ms):
+            rows.append(f"| {run.label} | {name} | {backend} | {d:.3f} | {p:.3f} |")
+        rows.append(f"| {run.label} | KV update | runner | {run.decode_kv_ms:.3f} | {run.prefill_kv_ms:.3f} |")
+        rows.append(
+            f"| {run.label} | **total** | | {sum(run.decode_ms) + run.decode_kv_ms:.3f} "
+            f"({run.decode_tokens_per_s:.1f} tok/s) | {sum(run.prefill_ms) + run.prefill_kv_ms:.3f} "
+            f"({run.prefill_tokens_per_s:.1f} tok/s) |"
+        )
+    return "\n".join(rows)
+
+
+def render(runs: list[RunTimes], png: Path, title: str = "") -> dict:
+    """Draw the PNG; returns what was plotted: {phase: {run label: [(segment, ms), ...]}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plotted: dict[str, dict[str, list[tuple[str, float]]]] = {"decode": {}, "prefill": {}}
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 1.1 * len(runs) * 2), squeeze=False)
+    for ax, phase in zip(axes[:, 0], ("decode", "prefill")):
+        for row, run in enumerate(runs):
+            times = run.decode_ms if phase == "decode" else run.prefill_ms
+            kv = run.decode_kv_ms if phase == "decode" else run.prefill_kv_ms
+            segments = list(zip(run.shard_labels, times)) + [("KV update", kv)]
+            plotted[phase][run.label] = segments
+            left = 0.0
+            for (name, ms), backend in zip(segments, run.backends + ["kv"]):
+                colour = KV_COLOUR if backend == "kv" else BACKEND_COLOURS.get(backend, "#B279A2")
+                ax.barh(row, ms, left=left, color=colour, edgecolor="white")
+                if ms > 0.06 * max(sum(times) + kv, 1e-9):
+                    ax.text(left + ms / 2, row, name.split(" ")[0] if backend != "kv" else "KV", ha="center",
+                            va="center", fontsize=8, color="white")
+                left += ms
+        ax.set_yticks(range(len(runs)), [run.label for run in runs])
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{phase}: ms per token")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*BACKEND_COLOURS.values(), KV_COLOUR)]
+    axes[0, 0].legend(handles, ["XNNPACK", "QNN HTP", "portable", "KV update"], loc="lower right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(png, dpi=110)
+    except OSError as e:
+        raise UserError(f"cannot write {png}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+    return plotted
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m composite.report", description=__doc__.split(":", 1)[1].strip())
+    p.add_argument("stats", nargs="+", help="composite_runner --stats_json files")
+    p.add_argument("--labels", help="comma-separated names for the runs (default: file names)")
+    p.add_argument("--png", default="report.png", help="picture to write (default report.png)")
+    p.add_argument("--title", default="", help="title over the picture")
+    return p.parse_args(argv)
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [None] * len(args.stats)
+    if len(labels) != len(args.stats):
+        raise UserError(f"--labels names {len(labels)} runs but {len(args.stats)} stats files were given")
+    runs = [read_stats(Path(path), label) for path, label in zip(args.stats, labels)]
+    render(runs, Path(args.png), args.title)
+    print(markdown_table(runs))
+    print(f"\npicture: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
