@@ -1,0 +1,1 @@
+"""`python -m composite.bench`: the performance benchmark against ExecuTorch's own llama."""
