@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,12 @@ from composite import quiet
 quiet.silence_library_noise()
 
 from composite.config import build_config  # noqa: E402
+from composite.errors import UserError  # noqa: E402
 from composite.export import run_export  # noqa: E402
 from composite.model.llama import ModelArgs, Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+FP16_PLACEMENT = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]
 SHARD_COUNTS = (1, 2, 3, 6)
 PREFILL_LEN = 12  # a 32-token prompt then takes two full chunks and one padded chunk
 MAX_SEQ_LEN = 96
@@ -98,3 +101,24 @@ def default_tokenizer(workdir) -> Path:
     path.write_bytes(load_default().tokenizer_path.read_bytes())
     return path
 
+
+@pytest.fixture(scope="session")
+def qnn_ready():
+    from composite import qnn_host
+
+    try:
+        host = qnn_host.prepare()
+    except UserError as e:
+        reason = f"QNN host libraries unavailable: {e}"
+    else:
+        if qnn_host.is_active(host):
+            return host
+        reason = 'QNN host libraries are not on the loader path: run after eval "$(python -m composite.qnn_host env)"'
+    if os.environ.get("COMPOSITE_REQUIRE_QNN") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def qnn_fp16_export(qnn_ready, workdir):
+    return export(workdir / "qnn_fp16_6", shards=6, placement=FP16_PLACEMENT)

@@ -14,10 +14,17 @@ import sys
 
 import pytest
 import torch
+from conftest import (
+    FP16_PLACEMENT,
+    MAX_SEQ_LEN,
+    PREFILL_LEN,
+    REPO,
+    export,
+    run_cli,
+    write_meta_checkpoint,
+)
 
 from composite import manifest as manifest_schema
-from composite.errors import UserError
-from conftest import MAX_SEQ_LEN, PREFILL_LEN, REPO, export, run_cli, write_meta_checkpoint
 
 # SQNR (dB) of the quantized QNN shard's main output on its held-out input, decode / prefill, as
 # measured when these tests were written (embedded default, 3 shards, shard 1 = layers 2-3,
@@ -27,29 +34,6 @@ MEASURED_SQNR = {
     "8a8w": {"decode": 34.9, "prefill": 31.7},
 }
 CALIBRATION = {"samples": 8}
-FP16_PLACEMENT = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]
-
-
-@pytest.fixture(scope="session")
-def qnn_ready():
-    from composite import qnn_host
-
-    try:
-        host = qnn_host.prepare()
-    except UserError as e:
-        reason = f"QNN host libraries unavailable: {e}"
-    else:
-        if qnn_host.is_active(host):
-            return host
-        reason = 'QNN host libraries are not on the loader path: run after eval "$(python -m composite.qnn_host env)"'
-    if os.environ.get("COMPOSITE_REQUIRE_QNN") == "1":
-        pytest.fail(reason)
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="session")
-def qnn_fp16_export(qnn_ready, workdir):
-    return export(workdir / "qnn_fp16_6", shards=6, placement=FP16_PLACEMENT)
 
 
 @pytest.fixture(scope="session")

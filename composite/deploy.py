@@ -1,0 +1,270 @@
+"""python -m composite.deploy: push an export to a phone, run composite_runner there, pull the stats.
+
+  push --artifacts DIR   manifest, shards, tokenizer, the runner binary and, for QNN placements,
+                         the QNN runtime libraries the SoC needs; files whose sha256 already
+                         matches on the device are skipped
+  run --prompt TEXT      runs composite_runner on the device with LD_LIBRARY_PATH and
+                         ADSP_LIBRARY_PATH set, streams its output, pulls the stats JSON back
+
+--transport adb (the default) uses Debian's adb; --transport local does the same steps against a
+local folder that stands in for the device's file system, with the host-built runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path, PurePosixPath
+
+from composite.errors import UserError, exits_cleanly
+from composite.manifest import sha256_file as file_sha256
+
+DEFAULT_DEVICE_DIR = "/data/local/tmp/composite"
+QNN_SUBDIR = "qnn"  # holds the QNN runtime libraries on the device
+# Where Android's DSP loader finds the skel libraries, after our own folder.
+ADSP_SYSTEM_DIRS = ("/vendor/lib/rfsa/adsp", "/vendor/dsp/cdsp", "/system/lib/rfsa/adsp", "/dsp")
+
+
+class LocalTransport:
+    """The device's file system as a folder on this machine; commands run here with bash."""
+
+    name = "local"
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _local(self, remote: str) -> Path:
+        return self.root / PurePosixPath(remote).relative_to("/")
+
+    def sha256(self, remotes: list[str]) -> dict[str, str]:
+        return {r: file_sha256(self._local(r)) for r in remotes if self._local(r).is_file()}
+
+    def push(self, local: Path, remote: str) -> None:
+        target = self._local(remote)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(local, target)
+
+    def pull(self, remote: str, local: Path) -> bool:
+        if not self._local(remote).is_file():
+            return False
+        shutil.copy2(self._local(remote), local)
+        return True
+
+    def device_path(self, remote: str) -> str:
+        return str(self._local(remote))
+
+    def shell(self, command: str) -> int:
+        return subprocess.run(["bash", "-c", command]).returncode
+
+
+class AdbTransport:
+    name = "adb"
+
+    def __init__(self, serial: str | None):
+        self.adb = shutil.which("adb")
+        if self.adb is None:
+            raise UserError("adb not found on PATH: install it (apt-get install adb) or use --transport local")
+        listing = self._run("devices", device=False).stdout
+        devices = [line.split()[0] for line in listing.splitlines()[1:] if line.strip().endswith("device")]
+        if not devices:
+            raise UserError("no Android device connected ('adb devices' lists none): plug one in and allow USB debugging")
+        if serial is None:
+            if len(devices) > 1:
+                raise UserError(f"{len(devices)} devices connected ({', '.join(devices)}): choose one with --serial")
+            serial = devices[0]
+        elif serial not in devices:
+            raise UserError(f"device '{serial}' is not connected (connected: {', '.join(devices)})")
+        self.serial = serial
+
+    def _run(self, *args: str, device: bool = True, check: bool = False) -> subprocess.CompletedProcess:
+        command = [self.adb, *(["-s", self.serial] if device else []), *args]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if check and done.returncode != 0:
+            detail = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[-1]
+            raise UserError(f"adb {' '.join(args[:2])} failed: {detail}")
+        return done
+
+    def sha256(self, remotes: list[str]) -> dict[str, str]:
+        quoted = " ".join(shlex.quote(r) for r in remotes)
+        out = self._run("shell", f"sha256sum {quoted} 2>/dev/null").stdout
+        hashes = {}
+        for line in out.splitlines():
+            parts = line.split(None, 1)
+            if len(parts) == 2:
+                hashes[parts[1].strip()] = parts[0]
+        return hashes
+
+    def push(self, local: Path, remote: str) -> None:
+        self._run("shell", f"mkdir -p {shlex.quote(str(PurePosixPath(remote).parent))}", check=True)
+        self._run("push", str(local), remote, check=True)
+
+    def pull(self, remote: str, local: Path) -> bool:
+        return self._run("pull", remote, str(local)).returncode == 0
+
+    def device_path(self, remote: str) -> str:
+        return remote
+
+    def shell(self, command: str) -> int:
+        return subprocess.run([self.adb, "-s", self.serial, "shell", command]).returncode
+
+
+def open_transport(args) -> LocalTransport | AdbTransport:
+    if args.transport == "local":
+        return LocalTransport(Path(args.local_root).resolve())
+    return AdbTransport(args.serial)
+
+
+def read_manifest(artifacts: Path) -> dict:
+    from composite import manifest as manifest_schema
+
+    manifest = manifest_schema.read(artifacts)
+    manifest_schema.check_files(artifacts, manifest)
+    return manifest
+
+
+def qnn_socs(manifest: dict) -> list[str]:
+    return sorted({s["placement"]["options"]["soc"] for s in manifest["shards"] if s["placement"]["backend"] == "qnn"})
+
+
+def htp_arch(soc: str) -> int:
+    from executorch.backends.qualcomm.serialization.qc_schema import (
+        QcomChipset,
+        _soc_info_table,
+    )
+
+    try:
+        return _soc_info_table[QcomChipset[soc]].htp_info.htp_arch.value
+    except KeyError:
+        raise UserError(f"ExecuTorch does not know the HTP architecture of SoC {soc}") from None
+
+
+def qnn_libraries(manifest: dict, transport_name: str) -> list[Path]:
+    """The QNN runtime libraries the export's SoCs need, from QNN_SDK_ROOT (on a phone) or from
+    the host libraries composite runs the HTP simulator with (--transport local)."""
+    socs = qnn_socs(manifest)
+    if not socs:
+        return []
+    if transport_name == "local":
+        from composite import qnn_host
+
+        folder = qnn_host.prepare().lib_dir
+        return sorted(p for p in folder.glob("libQnn*.so")) + sorted(folder.glob("libHtp*.so"))
+    root = os.environ.get("QNN_SDK_ROOT")
+    if not root:
+        raise UserError(f"the export has QNN shards for {', '.join(socs)}: set QNN_SDK_ROOT to the Qualcomm AI Engine "
+                        "Direct SDK whose runtime libraries go to the phone")
+    sdk = Path(root)
+    needed = [sdk / "lib/aarch64-android/libQnnHtp.so", sdk / "lib/aarch64-android/libQnnSystem.so"]
+    for soc in socs:
+        arch = htp_arch(soc)
+        needed += [sdk / f"lib/aarch64-android/libQnnHtpV{arch}Stub.so",
+                   sdk / f"lib/hexagon-v{arch}/unsigned/libQnnHtpV{arch}Skel.so"]
+    missing = [p for p in needed if not p.is_file()]
+    if missing:
+        raise UserError(f"QNN libraries for {', '.join(socs)} missing under QNN_SDK_ROOT={root}: "
+                        f"{', '.join(str(p.relative_to(sdk)) for p in missing)}")
+    return needed
+
+
+def default_runner(transport_name: str) -> Path:
+    return Path("build/composite_runner" if transport_name == "local" else "build-android/composite_runner")
+
+
+def plan_files(artifacts: Path, manifest: dict, runner: Path, transport_name: str, device_dir: str) -> list[tuple[Path, str]]:
+    if not runner.is_file():
+        how = "bash scripts/build_runner.sh build" if transport_name == "local" else "bash scripts/build_android.sh"
+        raise UserError(f"runner binary {runner} not found: build it ({how}) or pass --runner")
+    files = [(artifacts / "manifest.json", "manifest.json")]
+    files += [(artifacts / s["file"], s["file"]) for s in manifest["shards"]]
+    if manifest.get("tokenizer"):
+        files.append((artifacts / manifest["tokenizer"]["file"], manifest["tokenizer"]["file"]))
+    files.append((runner, "composite_runner"))
+    files += [(lib, f"{QNN_SUBDIR}/{lib.name}") for lib in qnn_libraries(manifest, transport_name)]
+    for local, _ in files:
+        if not local.is_file():
+            raise UserError(f"{local} is missing: the export is incomplete")
+    return [(local.resolve(), f"{device_dir}/{name}") for local, name in files]
+
+
+def push(args) -> None:
+    artifacts = Path(args.artifacts)
+    manifest = read_manifest(artifacts)
+    runner = Path(args.runner) if args.runner else default_runner(args.transport)
+    files = plan_files(artifacts, manifest, runner, args.transport, args.device_dir)
+    transport = open_transport(args)
+    on_device = transport.sha256([remote for _, remote in files])
+    pushed, skipped, pushed_bytes = 0, 0, 0
+    for local, remote in files:
+        if on_device.get(remote) == file_sha256(local):
+            skipped += 1
+            continue
+        transport.push(local, remote)
+        pushed += 1
+        pushed_bytes += local.stat().st_size
+    where = f"{transport.name}:{transport.device_path(args.device_dir)}"
+    print(f"pushed {pushed} files ({pushed_bytes / 1e6:.1f} MB), skipped {skipped} unchanged -> {where}")
+
+
+def run(args) -> int:
+    transport = open_transport(args)
+    device_dir = transport.device_path(args.device_dir)
+    if transport.name == "local" and not Path(device_dir, "composite_runner").is_file():
+        raise UserError(f"nothing pushed to {device_dir}: run 'python -m composite.deploy push' first")
+    runner_args = ["--artifacts", device_dir, "--stats_json", f"{device_dir}/stats.json"]
+    if args.prompt is not None:
+        runner_args += ["--prompt", args.prompt]
+    else:
+        runner_args += ["--prompt_ids", args.prompt_ids]
+    runner_args += [a for a in args.runner_args if a != "--"]
+    qnn_dir = f"{device_dir}/{QNN_SUBDIR}"
+    adsp = ";".join((qnn_dir, *ADSP_SYSTEM_DIRS))
+    command = (f"cd {shlex.quote(device_dir)} && LD_LIBRARY_PATH={shlex.quote(qnn_dir)}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}} "
+               f"ADSP_LIBRARY_PATH={shlex.quote(adsp)} ./composite_runner {' '.join(shlex.quote(a) for a in runner_args)}")
+    code = transport.shell(command)
+    if code != 0:
+        raise UserError(f"composite_runner on {transport.name} exited with {code} (its message is above)")
+    stats_out = Path(args.stats_out)
+    stats_out.parent.mkdir(parents=True, exist_ok=True)
+    if not transport.pull(f"{args.device_dir}/stats.json", stats_out):
+        raise UserError("composite_runner finished but left no stats.json to pull")
+    print(f"stats: {stats_out}  (python -m composite.report {stats_out})")
+    return 0
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m composite.deploy", description=__doc__.split(":", 1)[1].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("push", "run"):
+        s = sub.add_parser(name)
+        s.add_argument("--transport", choices=["adb", "local"], default="adb")
+        s.add_argument("--serial", help="adb device serial (needed when several are connected)")
+        s.add_argument("--device-dir", default=DEFAULT_DEVICE_DIR, help=f"folder on the device (default {DEFAULT_DEVICE_DIR})")
+        s.add_argument("--local-root", default="device", help="--transport local: the folder standing in for the device")
+        if name == "push":
+            s.add_argument("--artifacts", required=True, help="export folder (holds manifest.json)")
+            s.add_argument("--runner", help="runner binary (default build-android/composite_runner; local: build/composite_runner)")
+        else:
+            prompt = s.add_mutually_exclusive_group(required=True)
+            prompt.add_argument("--prompt")
+            prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+            s.add_argument("--stats-out", default="device_stats.json", help="where the pulled stats JSON goes")
+            s.add_argument("runner_args", nargs=argparse.REMAINDER, help="more composite_runner flags after --")
+    return p.parse_args(argv)
+
+
+@exits_cleanly
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.command == "push":
+        push(args)
+    else:
+        sys.exit(run(args))
+
+
+if __name__ == "__main__":
+    main()

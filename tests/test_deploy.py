@@ -1,0 +1,124 @@
+"""The on-device loop on this machine: deploy push / run over --transport local (the host runner
+and the HTP simulator stand in for the phone), stats pulled back, rendered by composite.report;
+and the errors a user meets with adb and QNN libraries."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from composite.report import read_stats, render
+from conftest import REPO
+
+RUNNER = REPO / "build" / "composite_runner"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def deploy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "composite.deploy", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env)
+
+
+@pytest.fixture(scope="module")
+def local_device(qnn_fp16_export, tmp_path_factory):
+    if not RUNNER.is_file():
+        pytest.skip("composite_runner is not built (bash scripts/build_runner.sh build)")
+    root = tmp_path_factory.mktemp("device")
+    common = ["--transport", "local", "--local-root", str(root)]
+    first = deploy("push", "--artifacts", str(qnn_fp16_export), *common)
+    second = deploy("push", "--artifacts", str(qnn_fp16_export), *common)
+    return root, common, first, second
+
+
+def test_push_copies_everything_then_skips_unchanged_files(local_device, qnn_fp16_export):
+    root, _, first, second = local_device
+    assert first.returncode == 0, first.stderr
+    manifest = json.loads((qnn_fp16_export / "manifest.json").read_text())
+    device_dir = root / "data/local/tmp/composite"
+    for shard in manifest["shards"]:
+        assert (device_dir / shard["file"]).read_bytes() == (qnn_fp16_export / shard["file"]).read_bytes()
+    assert (device_dir / "composite_runner").is_file()
+    assert (device_dir / "qnn" / "libQnnHtp.so").is_file()  # QNN placement: runtime libraries go too
+    pushed = int(first.stdout.split()[1])
+    assert pushed >= len(manifest["shards"]) + 3
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith("pushed 0 files") and f"skipped {pushed} unchanged" in second.stdout
+
+
+def test_run_pulls_stats_that_render_one_entry_per_shard(local_device, tmp_path):
+    root, common, first, _ = local_device
+    assert first.returncode == 0, first.stderr
+    stats_path = tmp_path / "stats.json"
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # the pushed libraries must do
+    run = deploy("run", *common, "--prompt", "Once upon a time", "--stats-out", str(stats_path), "--",
+                 "--max_new_tokens", "8", env=env)
+    assert run.returncode == 0, run.stderr
+    stats = json.loads(stats_path.read_text())
+    assert len(stats["tokens"]) == 8
+    assert "QnnBackend" in stats["shard_backends"]
+
+    report = subprocess.run([sys.executable, "-m", "composite.report", str(stats_path), "--png", str(tmp_path / "r.png")],
+                            capture_output=True, text=True, cwd=REPO)
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
+    assert report.stdout.count("| stats |") == len(stats["shard_backends"]) + 2  # shards, KV update, total
+
+    plotted = render([read_stats(stats_path)], tmp_path / "again.png")
+    for phase in ("decode", "prefill"):
+        segments = plotted[phase]["stats"]
+        assert [name for name, _ in segments[:-1]] == [f"{i} {layer}" for i, layer in enumerate(stats["shard_layers"])]
+        assert segments[-1][0] == "KV update"
+    assert [ms for _, ms in plotted["decode"]["stats"][:-1]] == stats["shard_ms_per_token"]
+
+
+def fake_adb(folder, devices: list[str]):
+    """An adb on PATH that lists `devices` and fails anything else."""
+    folder.mkdir(exist_ok=True)
+    listing = "\\n".join(f"{d}\\tdevice" for d in devices)
+    script = folder / "adb"
+    script.write_text(f'#!/bin/sh\nif [ "$1" = devices ]; then printf "List of devices attached\\n{listing}\\n"; exit 0; fi\nexit 1\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return {**os.environ, "PATH": f"{folder}:/usr/bin:/bin"}
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_missing_adb_says_how_to_get_it(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no adb anywhere
+    line = one_error_line(deploy("run", "--prompt", "hi", env=env))
+    assert "adb not found" in line and "apt-get install adb" in line
+
+
+def test_no_device_connected(tmp_path):
+    line = one_error_line(deploy("run", "--prompt", "hi", env=fake_adb(tmp_path / "bin", [])))
+    assert "no Android device connected" in line
+
+
+def test_unknown_serial_names_the_connected_ones(tmp_path):
+    env = fake_adb(tmp_path / "bin", ["R5CT123", "emulator-5554"])
+    line = one_error_line(deploy("run", "--prompt", "hi", "--serial", "XYZ", env=env))
+    assert "'XYZ' is not connected" in line and "R5CT123" in line
+    line = one_error_line(deploy("run", "--prompt", "hi", env=env))
+    assert "choose one with --serial" in line
+
+
+def test_missing_qnn_libraries_for_the_soc_are_named(qnn_fp16_export, tmp_path):
+    sdk = tmp_path / "sdk"
+    (sdk / "lib/aarch64-android").mkdir(parents=True)
+    (sdk / "lib/aarch64-android/libQnnHtp.so").write_bytes(b"")
+    env = {**fake_adb(tmp_path / "bin", ["R5CT123"]), "QNN_SDK_ROOT": str(sdk)}
+    line = one_error_line(deploy("push", "--artifacts", str(qnn_fp16_export), "--runner", str(RUNNER), env=env))
+    assert "SM8650" in line and "libQnnHtpV75Skel.so" in line and "libQnnSystem.so" in line
+    env.pop("QNN_SDK_ROOT")
+    line = one_error_line(deploy("push", "--artifacts", str(qnn_fp16_export), "--runner", str(RUNNER), env=env))
+    assert "set QNN_SDK_ROOT" in line
