@@ -19,6 +19,7 @@ setup(
         "tqdm",
         "matplotlib",  # composite.report and composite.bench pictures
         "cmake>=3.28",
+        "pyelftools",  # composite.deploy reads the runner's shared-library closure
     ],
     extras_require={"test": ["pytest", "transformers"]},
 )

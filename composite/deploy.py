@@ -1,10 +1,12 @@
 """python -m composite.deploy: push an export to a phone, run composite_runner there, pull the stats.
 
-  push --artifacts DIR   manifest, shards, tokenizer, the runner binary and, for QNN placements,
-                         the QNN runtime libraries the SoC needs; files whose sha256 already
-                         matches on the device are skipped
-  run --prompt TEXT      runs composite_runner on the device with LD_LIBRARY_PATH and
-                         ADSP_LIBRARY_PATH set, streams its output, pulls the stats JSON back
+  push --artifacts DIR   manifest, shards, tokenizer, the runner binary with every shared library
+                         it links that the device does not have (composite.bundle) and, for QNN
+                         placements, the QNN runtime libraries the SoC needs; files whose sha256
+                         already matches on the device are skipped
+  run --prompt TEXT      runs composite_runner on the device with only the pushed folder on its
+                         library path and ADSP_LIBRARY_PATH set, streams its output, pulls the
+                         stats JSON back
 
 --transport adb (the default) uses Debian's adb; --transport local does the same steps against a
 local folder that stands in for the device's file system, with the host-built runner.
@@ -20,8 +22,12 @@ import subprocess
 import sys
 from pathlib import Path, PurePosixPath
 
+from composite import qnn_host
+from composite.bundle import library_closure
 from composite.errors import UserError, exits_cleanly
 from composite.manifest import sha256_file as file_sha256
+
+PROJECT = Path(__file__).resolve().parent.parent
 
 DEFAULT_DEVICE_DIR = "/data/local/tmp/composite"
 QNN_SUBDIR = "qnn"  # holds the QNN runtime libraries on the device
@@ -57,8 +63,15 @@ class LocalTransport:
     def device_path(self, remote: str) -> str:
         return str(self._local(remote))
 
-    def shell(self, command: str) -> int:
-        return subprocess.run(["bash", "-c", command]).returncode
+    def shell(self, command: str, qnn: bool = False) -> int:
+        """Runs with the host's environment less its loader path, so the pushed libraries are all
+        the runner sees. The one thing a phone does not need: with QNN shards, the simulator's ABI
+        shim (pushed as libQnnHtp.so) is told where this machine's real libQnnHtp.so is."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("LD_LIBRARY_PATH", qnn_host.ACTIVE_MARKER, qnn_host.REAL_HTP_VARIABLE)}
+        if qnn:
+            env[qnn_host.REAL_HTP_VARIABLE] = str(qnn_host.prepare().real_htp)
+        return subprocess.run(["bash", "-c", command], env=env).returncode
 
 
 class AdbTransport:
@@ -108,7 +121,7 @@ class AdbTransport:
     def device_path(self, remote: str) -> str:
         return remote
 
-    def shell(self, command: str) -> int:
+    def shell(self, command: str, qnn: bool = False) -> int:
         return subprocess.run([self.adb, "-s", self.serial, "shell", command]).returncode
 
 
@@ -149,8 +162,6 @@ def qnn_libraries(manifest: dict, transport_name: str) -> list[Path]:
     if not socs:
         return []
     if transport_name == "local":
-        from composite import qnn_host
-
         folder = qnn_host.prepare().lib_dir
         return sorted(p for p in folder.glob("libQnn*.so")) + sorted(folder.glob("libHtp*.so"))
     root = os.environ.get("QNN_SDK_ROOT")
@@ -171,10 +182,12 @@ def qnn_libraries(manifest: dict, transport_name: str) -> list[Path]:
 
 
 def default_runner(transport_name: str) -> Path:
-    return Path("build/composite_runner" if transport_name == "local" else "build-android/composite_runner")
+    return PROJECT / ("build/composite_runner" if transport_name == "local" else "build-android/composite_runner")
 
 
-def plan_files(artifacts: Path, manifest: dict, runner: Path, transport_name: str, device_dir: str) -> list[tuple[Path, str]]:
+def plan_files(artifacts: Path, manifest: dict, runner: Path, transport_name: str, device_dir: str,
+               library_path: list[Path]) -> list[tuple[Path, str]]:
+    """Everything to push, checked to exist before anything is pushed."""
     if not runner.is_file():
         how = "bash scripts/build_runner.sh build" if transport_name == "local" else "bash scripts/build_android.sh"
         raise UserError(f"runner binary {runner} not found: build it ({how}) or pass --runner")
@@ -183,6 +196,7 @@ def plan_files(artifacts: Path, manifest: dict, runner: Path, transport_name: st
     if manifest.get("tokenizer"):
         files.append((artifacts / manifest["tokenizer"]["file"], manifest["tokenizer"]["file"]))
     files.append((runner, "composite_runner"))
+    files += [(lib, lib.name) for lib in library_closure(runner, library_path)]
     files += [(lib, f"{QNN_SUBDIR}/{lib.name}") for lib in qnn_libraries(manifest, transport_name)]
     for local, _ in files:
         if not local.is_file():
@@ -194,7 +208,8 @@ def push(args) -> None:
     artifacts = Path(args.artifacts)
     manifest = read_manifest(artifacts)
     runner = Path(args.runner) if args.runner else default_runner(args.transport)
-    files = plan_files(artifacts, manifest, runner, args.transport, args.device_dir)
+    library_path = [Path(d) for d in args.library_path.split(os.pathsep) if d] if args.library_path else []
+    files = plan_files(artifacts, manifest, runner, args.transport, args.device_dir, library_path)
     transport = open_transport(args)
     on_device = transport.sha256([remote for _, remote in files])
     pushed, skipped, pushed_bytes = 0, 0, 0
@@ -222,14 +237,20 @@ def run(args) -> int:
     runner_args += [a for a in args.runner_args if a != "--"]
     qnn_dir = f"{device_dir}/{QNN_SUBDIR}"
     adsp = ";".join((qnn_dir, *ADSP_SYSTEM_DIRS))
-    command = (f"cd {shlex.quote(device_dir)} && LD_LIBRARY_PATH={shlex.quote(qnn_dir)}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}} "
+    # The pushed folder only: the runner's own libraries sit beside it, QNN's in qnn/.
+    library_path = f"{device_dir}:{qnn_dir}"
+    command = (f"cd {shlex.quote(device_dir)} && LD_LIBRARY_PATH={shlex.quote(library_path)} "
                f"ADSP_LIBRARY_PATH={shlex.quote(adsp)} ./composite_runner {' '.join(shlex.quote(a) for a in runner_args)}")
-    code = transport.shell(command)
+    code = transport.shell(command, qnn=transport.name == "local" and Path(device_dir, QNN_SUBDIR).is_dir())
     if code != 0:
         raise UserError(f"composite_runner on {transport.name} exited with {code} (its message is above)")
     stats_out = Path(args.stats_out)
-    stats_out.parent.mkdir(parents=True, exist_ok=True)
-    if not transport.pull(f"{args.device_dir}/stats.json", stats_out):
+    try:
+        stats_out.parent.mkdir(parents=True, exist_ok=True)
+        pulled = transport.pull(f"{args.device_dir}/stats.json", stats_out)
+    except OSError as e:
+        raise UserError(f"cannot write --stats-out {stats_out}: {e.strerror}") from None
+    if not pulled:
         raise UserError("composite_runner finished but left no stats.json to pull")
     print(f"stats: {stats_out}  (python -m composite.report {stats_out})")
     return 0
@@ -244,10 +265,14 @@ def parse_args(argv):
         s.add_argument("--transport", choices=["adb", "local"], default="adb")
         s.add_argument("--serial", help="adb device serial (needed when several are connected)")
         s.add_argument("--device-dir", default=DEFAULT_DEVICE_DIR, help=f"folder on the device (default {DEFAULT_DEVICE_DIR})")
-        s.add_argument("--local-root", default="device", help="--transport local: the folder standing in for the device")
+        s.add_argument("--local-root", default="device",
+                       help="--transport local: the folder standing in for the device (default ./device)")
         if name == "push":
             s.add_argument("--artifacts", required=True, help="export folder (holds manifest.json)")
-            s.add_argument("--runner", help="runner binary (default build-android/composite_runner; local: build/composite_runner)")
+            s.add_argument("--runner", help=f"runner binary (default {default_runner('adb')}; "
+                                            f"local: {default_runner('local')})")
+            s.add_argument("--library-path", help="folders (':'-separated) to find the runner's shared libraries in, "
+                                                  "searched before its RUNPATH and the target's default folders")
         else:
             prompt = s.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt")

@@ -44,6 +44,10 @@ def test_push_copies_everything_then_skips_unchanged_files(local_device, qnn_fp1
         assert (device_dir / shard["file"]).read_bytes() == (qnn_fp16_export / shard["file"]).read_bytes()
     assert (device_dir / "composite_runner").is_file()
     assert (device_dir / "qnn" / "libQnnHtp.so").is_file()  # QNN placement: runtime libraries go too
+    for library in ("libexecutorch.so", "libexecutorch_backend_qnn.so", "libexecutorch_kernels_optimized.so",
+                    "libsentencepiece.so.0", "libpcre2-8.so.0", "libcrypto.so.3"):  # the runner's own closure
+        assert (device_dir / library).is_file(), library
+    assert not (device_dir / "libc.so.6").exists() and not (device_dir / "libstdc++.so.6").exists()
     pushed = int(first.stdout.split()[1])
     assert pushed >= len(manifest["shards"]) + 3
     assert second.returncode == 0, second.stderr
@@ -54,7 +58,8 @@ def test_run_pulls_stats_that_render_one_entry_per_shard(local_device, tmp_path)
     root, common, first, _ = local_device
     assert first.returncode == 0, first.stderr
     stats_path = tmp_path / "stats.json"
-    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}  # the pushed libraries must do
+    # A fresh shell: no loader path and none of the QNN set-up variables; the pushed libraries must do.
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH" and not k.startswith(("QNN_", "COMPOSITE_QNN"))}
     run = deploy("run", *common, "--prompt", "Once upon a time", "--stats-out", str(stats_path), "--",
                  "--max_new_tokens", "8", env=env)
     assert run.returncode == 0, run.stderr
@@ -122,3 +127,20 @@ def test_missing_qnn_libraries_for_the_soc_are_named(qnn_fp16_export, tmp_path):
     env.pop("QNN_SDK_ROOT")
     line = one_error_line(deploy("push", "--artifacts", str(qnn_fp16_export), "--runner", str(RUNNER), env=env))
     assert "set QNN_SDK_ROOT" in line
+
+
+def test_push_names_a_runner_library_it_cannot_find_and_pushes_nothing(default_exports, tmp_path):
+    """A runner linked against a library that is neither on this machine nor a system library."""
+    source = tmp_path / "helper.c"
+    source.write_text("int composite_helper(void) { return 7; }\n")
+    runner_c = tmp_path / "runner.c"
+    runner_c.write_text("int composite_helper(void);\nint main(void) { return composite_helper() - 7; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libcomposite_helper.so"), str(source)], check=True)
+    subprocess.run(["cc", "-o", str(tmp_path / "composite_runner"), str(runner_c), f"-L{tmp_path}", "-lcomposite_helper"],
+                   check=True)
+    (tmp_path / "libcomposite_helper.so").unlink()
+    root = tmp_path / "device"
+    line = one_error_line(deploy("push", "--artifacts", str(default_exports[3]), "--transport", "local",
+                                 "--local-root", str(root), "--runner", str(tmp_path / "composite_runner")))
+    assert "libcomposite_helper.so" in line and "--library-path" in line
+    assert not root.exists()

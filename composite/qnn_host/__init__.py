@@ -39,6 +39,7 @@ INSTALL_HINT = (
 SHIM_SOURCE = Path(__file__).with_name("htp_abi_shim.c")
 HOST_LIB_SUBDIR = Path("lib") / "x86_64-linux-clang"
 ACTIVE_MARKER = "COMPOSITE_QNN_HOST"  # set in the environment of a process whose loader path is ready
+REAL_HTP_VARIABLE = "COMPOSITE_QNN_REAL_HTP"  # the shim loads the real libQnnHtp.so from this path
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class QnnHost:
         ours = [str(self.lib_dir), *map(str, self.search_dirs)]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(ours + [p for p in previous if p not in ours])
         env["QNN_SDK_ROOT"] = str(self.root)
-        env["COMPOSITE_QNN_REAL_HTP"] = str(self.real_htp)
+        env[REAL_HTP_VARIABLE] = str(self.real_htp)
         env[ACTIVE_MARKER] = str(self.root)
         return env
 
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     host = prepare()
     if args.action == "env":
         env = host.environment()
-        for key in ("QNN_SDK_ROOT", "LD_LIBRARY_PATH", "COMPOSITE_QNN_REAL_HTP", ACTIVE_MARKER):
+        for key in ("QNN_SDK_ROOT", "LD_LIBRARY_PATH", REAL_HTP_VARIABLE, ACTIVE_MARKER):
             print(f"export {key}='{env[key]}'")
     else:
         print(f"QNN host libraries {host.build_id} from {host.source}; SDK-shaped folder {host.root}", file=sys.stderr)
