@@ -47,13 +47,9 @@ if [ ! -f "$et_root/executorch/share/cmake/executorch-config.cmake" ]; then
   mv "$et_root.partial" "$et_root"
 fi
 
-cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'cmake'))")
+source scripts/device_build.sh
 PKG_CONFIG_LIBDIR="$sysroot/usr/lib/aarch64-linux-gnu/pkgconfig:/usr/lib/aarch64-linux-gnu/pkgconfig:/usr/share/pkgconfig" \
-"$cmake_bin" -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
-  -Dexecutorch_DIR="$(realpath "$et_root")/executorch/share/cmake" -DCOMPOSITE_BUILD_TESTS=OFF \
-  -DCOMPOSITE_ARM64_SYSROOT="$sysroot" -DCMAKE_BUILD_RPATH="$sysroot/usr/lib/aarch64-linux-gnu" \
-  >"$build.configure.log" 2>&1 || { cat "$build.configure.log" >&2; exit 1; }
-grep "composite_runner backends" "$build.configure.log" || true
-"$cmake_bin" --build "$build" --target composite_runner -j"$(nproc)" >"$build.build.log" 2>&1 \
-  || { tail -50 "$build.build.log" >&2; exit 1; }
+device_build "$build" xnnpack -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
+  -Dexecutorch_DIR="$(realpath "$et_root")/executorch/share/cmake" \
+  -DCOMPOSITE_ARM64_SYSROOT="$sysroot" -DCMAKE_BUILD_RPATH="$sysroot/usr/lib/aarch64-linux-gnu"
 echo "built $build/composite_runner (aarch64)"
