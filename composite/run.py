@@ -23,6 +23,7 @@ def parse_args(argv):
     prompt.add_argument("--prompt", help="prompt text (BOS added per the manifest)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated, used as given")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seq-len", type=int, help="tokens in all, prompt included (default: the export's max_seq_len)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -99,14 +100,14 @@ def main(argv=None) -> None:
         from composite.runtime.reference import generate_reference, reference_model
 
         generation = generate_reference(reference_model(manifest), prompt, args.max_new_tokens,
-                                        manifest["max_seq_len"], sampler, eos, on_token=stream)
+                                        manifest["max_seq_len"], sampler, eos, on_token=stream, seq_len=args.seq_len)
     else:
         from composite.runtime.chain import ShardChain
         from composite.runtime.generate import generate
 
         chain = ShardChain(folder, verify=args.verify)
         load_seconds = chain.load_seconds
-        generation = generate(chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream)
+        generation = generate(chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream, seq_len=args.seq_len)
         shard_seconds = chain.shard_seconds
     n_decode = len(generation.tokens) - 1
     calls = n_decode + max(1, -(-len(prompt) // manifest["methods"]["prefill"]))

@@ -226,7 +226,7 @@ int run(int argc, char** argv) {
       stop_reason = "max_new_tokens";
       break;
     }
-    if (pos >= seq_len) {
+    if (pos + 1 >= seq_len) {  // `token` sits at position pos: pos + 1 tokens in all
       stop_reason = seq_len == max_seq_len ? "max_seq_len" : "seq_len";
       break;
     }

@@ -24,13 +24,39 @@ class Generation:
     stop_reason: str = ""
 
 
-def check_lengths(prompt: list[int], max_new_tokens: int, max_seq_len: int) -> None:
+def check_lengths(prompt: list[int], max_new_tokens: int, seq_len: int, max_seq_len: int) -> None:
     if not prompt:
         raise UserError("the prompt is empty")
-    if len(prompt) >= max_seq_len:
-        raise UserError(f"the prompt has {len(prompt)} tokens but max_seq_len is {max_seq_len}: nothing left to generate")
+    if seq_len > max_seq_len:
+        raise UserError(f"--seq-len {seq_len} is beyond this export's max_seq_len {max_seq_len}")
+    if len(prompt) >= seq_len:
+        raise UserError(f"the prompt has {len(prompt)} tokens but the sequence limit is {seq_len} "
+                        f"(max_seq_len {max_seq_len}): nothing left to generate")
     if max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
+
+
+def stop_reason(token: int, generated: int, total: int, limits: "Limits") -> str | None:
+    """Why generation ends after emitting `token` (the `generated`-th new one, `total` tokens in all
+    with the prompt), or None to go on. seq_len counts every token, prompt included."""
+    if token in limits.eos_ids:
+        return "eos"
+    if generated >= limits.max_new_tokens:
+        return "max_new_tokens"
+    if total >= limits.seq_len:
+        return "max_seq_len" if limits.seq_len == limits.max_seq_len else "seq_len"
+    return None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_new_tokens: int
+    seq_len: int
+    max_seq_len: int
+    eos_ids: tuple = ()
+
+    def check(self, prompt: list[int]) -> None:
+        check_lengths(prompt, self.max_new_tokens, self.seq_len, self.max_seq_len)
 
 
 def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation) -> torch.Tensor:
@@ -46,8 +72,11 @@ def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation)
     return last
 
 
-def generate(chain, prompt: list[int], max_new_tokens: int, sampler, eos_ids=(), keep_logits=False, on_token=None) -> Generation:
-    check_lengths(prompt, max_new_tokens, chain.max_seq_len)
+def generate(chain, prompt: list[int], max_new_tokens: int, sampler, eos_ids=(), keep_logits=False, on_token=None,
+             seq_len: int | None = None) -> Generation:
+    """seq_len: tokens in all, prompt included (default: the export's max_seq_len)."""
+    limits = Limits(max_new_tokens, seq_len or chain.max_seq_len, chain.max_seq_len, tuple(eos_ids))
+    limits.check(prompt)
     chain.reset()
     generation = Generation(list(prompt))
     started = time.perf_counter()
@@ -60,14 +89,8 @@ def generate(chain, prompt: list[int], max_new_tokens: int, sampler, eos_ids=(),
         generation.tokens.append(token)
         if on_token is not None:
             on_token(token)
-        if token in eos_ids:
-            generation.stop_reason = "eos"
-            break
-        if len(generation.tokens) >= max_new_tokens:
-            generation.stop_reason = "max_new_tokens"
-            break
-        if pos >= chain.max_seq_len:
-            generation.stop_reason = "max_seq_len"
+        generation.stop_reason = stop_reason(token, len(generation.tokens), pos + 1, limits)
+        if generation.stop_reason:
             break
         logits = chain.forward(DECODE, [token], pos)
         if keep_logits:

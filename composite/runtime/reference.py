@@ -8,7 +8,7 @@ import torch
 
 from composite.errors import UserError
 from composite.model.llama import ModelArgs, Transformer
-from composite.runtime.generate import Generation, check_lengths
+from composite.runtime.generate import Generation, Limits, stop_reason
 
 
 def reference_model(manifest: dict) -> Transformer:
@@ -30,9 +30,10 @@ def reference_model(manifest: dict) -> Transformer:
 
 @torch.no_grad()
 def generate_reference(model: Transformer, prompt: list[int], max_new_tokens: int, max_seq_len: int, sampler,
-                       eos_ids=(), keep_logits=False, on_token=None) -> Generation:
+                       eos_ids=(), keep_logits=False, on_token=None, seq_len: int | None = None) -> Generation:
     """Greedy/sampled generation recomputing the full sequence every step (no cache at all)."""
-    check_lengths(prompt, max_new_tokens, max_seq_len)
+    limits = Limits(max_new_tokens, seq_len or max_seq_len, max_seq_len, tuple(eos_ids))
+    limits.check(prompt)
     generation = Generation(list(prompt))
     sequence = list(prompt)
     started = time.perf_counter()
@@ -48,14 +49,8 @@ def generate_reference(model: Transformer, prompt: list[int], max_new_tokens: in
         sequence.append(token)
         if on_token is not None:
             on_token(token)
-        if token in eos_ids:
-            generation.stop_reason = "eos"
-            break
-        if len(generation.tokens) >= max_new_tokens:
-            generation.stop_reason = "max_new_tokens"
-            break
-        if len(sequence) > max_seq_len:
-            generation.stop_reason = "max_seq_len"
+        generation.stop_reason = stop_reason(token, len(generation.tokens), len(sequence), limits)
+        if generation.stop_reason:
             break
     generation.decode_seconds = time.perf_counter() - started - generation.prefill_seconds
     return generation
