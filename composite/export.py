@@ -294,6 +294,10 @@ def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: Exp
     }
 
 
+def format_sqnr(db: float | None) -> str:
+    return "exact" if db is None or db == float("inf") else f"{db:.1f}"
+
+
 def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_summary: dict | None) -> None:
     """One row per shard. SQNR (dB, against the float shard on a held-out input) is given for the
     shard's main output per method, decode/prefill; the manifest has it for every output."""
@@ -302,7 +306,7 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
         first, end = s["layers"]
         parts = (["emb"] if s["has_embedding"] else []) + ([f"L{first}" if end - first == 1 else f"L{first}-L{end - 1}"] if end > first else []) + (["head"] if s["has_head"] else [])
         backend = Placement(s["placement"]["backend"], s["placement"]["options"]).describe()
-        sqnr = "/".join(f"{next(iter(per_output.values())):.1f}" for per_output in s["sqnr_db"].values()) if "sqnr_db" in s else "-"
+        sqnr = "/".join(format_sqnr(next(iter(per_output.values()))) for per_output in s["sqnr_db"].values()) if "sqnr_db" in s else "-"
         rows.append((str(s["index"]), " ".join(parts), backend, ",".join(s["backends"]) or "none",
                      f"{s['size'] / 1e6:.2f} MB", f"{s['export_seconds']:.1f}", sqnr))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

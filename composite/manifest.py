@@ -27,7 +27,9 @@ Schema, version 1 (every key is required unless marked optional):
      "placement": {"backend": str, "options": {...}},
      "delegates": {method: {backend id: count}},     # read from the lowered program
      "cpu_ops": {method: [operator names]},          # run by ExecuTorch's CPU kernels
-     "io": {method: {"inputs": [{"name","shape","dtype"}], "outputs": [...]}}
+     "io": {method: {"inputs": [{"name","shape","dtype"}], "outputs": [...]}},
+     "sqnr_db": {method: {output name: float | null}}   # optional, QNN shards: against the float
+                                          # shard on held-out input; null = exact (no error)
   }],
   "versions": {"composite", "torch", "executorch", "torchao"}
 }
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from composite.errors import UserError
@@ -71,8 +74,21 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _standard_json(value):
+    """JSON has no Infinity or NaN (the C++ reader rejects them): an exact SQNR, the one
+    non-finite number an export measures, is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _standard_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_standard_json(v) for v in value]
+    return value
+
+
 def write(folder: Path, manifest: dict) -> None:
-    (folder / FILENAME).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    text = json.dumps(_standard_json(manifest), indent=1, allow_nan=False)
+    (folder / FILENAME).write_text(text + "\n", encoding="utf-8")
 
 
 def _fail(folder: Path, what: str):

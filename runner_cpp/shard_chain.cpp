@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "error.h"
 
@@ -44,8 +45,11 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-ShardChain::ShardChain(const Manifest& m)
-    : manifest_(m), cache_(m.n_layers, m.n_kv_heads, m.head_dim, m.max_seq_len), shard_seconds_(m.shards.size(), 0.0) {
+ShardChain::ShardChain(Manifest manifest)
+    : manifest_(std::move(manifest)),
+      cache_(manifest_.n_layers, manifest_.n_kv_heads, manifest_.head_dim, manifest_.max_seq_len),
+      shard_seconds_(manifest_.shards.size(), 0.0) {
+  const Manifest& m = manifest_;
   for (int layer = 0; layer < m.n_layers; ++layer) {
     k_tensors_.push_back(wrap(cache_.k(layer), m.k_shape, ScalarType::Float));
     v_tensors_.push_back(wrap(cache_.v(layer), m.v_shape, ScalarType::Float));

@@ -17,7 +17,8 @@ namespace composite {
 
 class ShardChain {
  public:
-  explicit ShardChain(const Manifest& manifest);
+  // Keeps its own copy of the manifest: the chain must not outlive what it describes.
+  explicit ShardChain(Manifest manifest);
 
   // Runs `tokens` (1 .. width of `method`) at positions pos..; returns logits of the last token.
   const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos);
@@ -37,7 +38,7 @@ class ShardChain {
   };
   void check_method(const ShardInfo& shard, const std::string& method);
 
-  const Manifest& manifest_;
+  const Manifest manifest_;
   std::vector<std::unique_ptr<executorch::extension::Module>> modules_;
   KVCache cache_;
   std::vector<executorch::extension::TensorPtr> k_tensors_, v_tensors_;

@@ -188,3 +188,57 @@ def test_bad_input(six, default_exports, tmp_path):
     no_tokenizer = copy_export(six, tmp_path / "no_tokenizer")
     (no_tokenizer / "tokenizer.model").unlink()
     assert "tokenizer" in one_error_line(run_runner("--artifacts", str(no_tokenizer), "--prompt", "hi"))
+
+
+@pytest.mark.parametrize("seq_len", [9, 12])  # this prompt reaches EOS at 13
+def test_seq_len_counts_every_token_in_both_runners(default_exports, tmp_path, seq_len):
+    folder = default_exports[3]
+    prompt = [1, 450, 298, 17, 99, 3]
+    stats = tmp_path / "stats.json"
+    cpp = run_runner("--artifacts", str(folder), "--prompt_ids", ",".join(map(str, prompt)), "--seq_len", str(seq_len),
+                     "--stats_json", str(stats))
+    assert cpp.returncode == 0, cpp.stderr
+    data = json.loads(stats.read_text())
+    assert len(prompt) + len(data["tokens"]) == seq_len and data["stop_reason"] == "seq_len"
+    python = run_cli("composite.run", "--artifacts", str(folder), "--prompt-ids", ",".join(map(str, prompt)),
+                     "--seq-len", str(seq_len), "--json")
+    assert python.returncode == 0, python.stderr
+    assert json.loads(python.stdout)["tokens"] == data["tokens"]
+
+
+def test_manifest_with_an_exact_sqnr_loads_in_both_runners(default_exports, tmp_path):
+    from composite import manifest as manifest_schema
+
+    folder = copy_export(default_exports[3], tmp_path / "exact")
+    manifest = read(folder)
+    manifest["shards"][1]["sqnr_db"] = {"decode": {"hidden": float("inf")}, "prefill": {"hidden": 41.5}}
+    manifest_schema.write(folder, manifest)
+    text = (folder / "manifest.json").read_text()
+    assert "Infinity" not in text
+    assert read(folder)["shards"][1]["sqnr_db"]["decode"]["hidden"] is None
+    cpp = run_runner("--artifacts", str(folder), "--prompt", "hi", "--max_new_tokens", "4")
+    assert cpp.returncode == 0, cpp.stderr
+    python = run_cli("composite.run", "--artifacts", str(folder), "--prompt", "hi", "--max-new-tokens", "4", "--json")
+    assert python.returncode == 0, python.stderr
+
+
+def test_portable_shard_generates_the_eager_tokens_in_both_runners(workdir, tmp_path):
+    """A shard left to ExecuTorch's portable/optimized CPU kernels (no delegate) between two
+    XNNPACK shards."""
+    from conftest import export
+
+    folder = export(workdir / "portable_3", shards=3, placement=["xnnpack", "portable", "xnnpack"])
+    manifest = read(folder)
+    assert manifest["shards"][1]["backends"] == [] and manifest["shards"][1]["cpu_ops"]["decode"]
+    ids = Tokenizer(folder / "tokenizer.model").encode("The robot climbed the stairs and")
+    stats = tmp_path / "stats.json"
+    cpp = run_runner("--artifacts", str(folder), "--prompt_ids", ",".join(map(str, ids)), "--max_new_tokens", "24",
+                     "--stats_json", str(stats))
+    assert cpp.returncode == 0, cpp.stderr
+    data = json.loads(stats.read_text())
+    assert data["shard_backends"][1] == "portable"
+    python = run_cli("composite.run", "--artifacts", str(folder), "--prompt-ids", ",".join(map(str, ids)),
+                     "--max-new-tokens", "24", "--json", check=True)
+    eager = generate_reference(reference_model(manifest), ids, 24, manifest["max_seq_len"], Sampler(),
+                               tuple(manifest["eos_ids"]))
+    assert data["tokens"] == json.loads(python.stdout)["tokens"] == eager.tokens

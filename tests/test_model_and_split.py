@@ -118,3 +118,19 @@ def test_shipped_configs_are_valid():
     for path in configs:
         config = build_config(str(path), {})
         assert len(config.placements()) == config.shards
+
+
+def test_meta_llama3_2_params_export_with_rope_factor_32(workdir):
+    """Meta's Llama 3.2 params.json (GQA, use_scaled_rope, vocab 128256) says no rope factor, and
+    its checkpoint has no output.weight: the HF config of the same model says factor 32."""
+    import json
+
+    from conftest import export, write_meta_checkpoint
+
+    params = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128256, "multiple_of": 32,
+              "ffn_dim_multiplier": 1.5, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": True}
+    checkpoint = write_meta_checkpoint(workdir / "llama3_2_ckpt", params, seed=3)
+    folder = export(workdir / "llama3_2", shards=1, checkpoint=str(checkpoint), max_seq_len=16, prefill_len=4)
+    model = json.loads((folder / "manifest.json").read_text())["model"]
+    assert model["tie_embeddings"] and model["n_kv_heads"] == 2
+    assert model["rope_scaling"]["type"] == "llama3" and model["rope_scaling"]["factor"] == 32.0

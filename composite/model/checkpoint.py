@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from composite.errors import UserError
-from composite.model.llama import ModelArgs, Transformer
+from composite.model.llama import Transformer
 from composite.model.params import args_from_hf_config, args_from_meta_params, read_json
 
 # Keys found in real checkpoints that carry no weights we need.
@@ -100,10 +100,9 @@ def load_meta(checkpoint: Path, params_path: Path | None) -> LoadedModel:
     else:
         raise UserError(f"no params.json beside {checkpoint}; pass --params PATH")
     embedding = weights.get("tok_embeddings.weight")
-    args = args_from_meta_params(params, Path(params_source), None if embedding is None else embedding.shape[0])
-    if "output.weight" not in weights and not args.tie_embeddings:
-        # Meta's Llama 3.2 1B/3B checkpoints leave the tied output projection out.
-        args = ModelArgs(**{**args.to_dict(), "tie_embeddings": True})
+    # Meta's Llama 3.2 1B/3B checkpoints leave the tied output projection out.
+    args = args_from_meta_params(params, Path(params_source), None if embedding is None else embedding.shape[0],
+                                 tied="output.weight" not in weights)
     for i in range(args.n_layers):
         for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
             key = f"layers.{i}.attention.{name}.weight"

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from composite.errors import UserError
 from composite.model.llama import ModelArgs
 
 # Meta's reference code applies Llama 3.1 scaling with these constants when `use_scaled_rope` is set.
+# Its params.json does not carry the factor: Llama 3.1 uses 8, Llama 3.2 1B/3B (the models with
+# tied embeddings) 32, as their Hugging Face config.json says.
+LLAMA3_2_ROPE_FACTOR = 32.0
 META_LLAMA3_SCALING = {
     "type": "llama3",
     "factor": 8.0,
@@ -46,10 +50,11 @@ def meta_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | 
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-def args_from_meta_params(params: dict, source: Path, vocab_size: int | None = None) -> ModelArgs:
+def args_from_meta_params(params: dict, source: Path, vocab_size: int | None = None, tied: bool = False) -> ModelArgs:
     """`params.json` of Meta's checkpoints and llama2.c's stories models.
 
-    A vocab_size of -1 (Llama 2's params.json) is taken from the embedding weight.
+    A vocab_size of -1 (Llama 2's params.json) is taken from the embedding weight. `tied`: the
+    checkpoint has no output projection (Llama 3.2 1B/3B), which also picks their rope factor.
     """
     dim = _require(params, "dim", source)
     n_heads = _require(params, "n_heads", source)
@@ -63,6 +68,11 @@ def args_from_meta_params(params: dict, source: Path, vocab_size: int | None = N
         scaling = dict(META_LLAMA3_SCALING)
         if "rope_scale_factor" in params:
             scaling["factor"] = float(params["rope_scale_factor"])
+        elif tied:
+            scaling["factor"] = LLAMA3_2_ROPE_FACTOR
+            print(f"note: {source} sets use_scaled_rope and the checkpoint ties its embeddings (Llama 3.2 1B/3B): "
+                  f"rope scaling factor {LLAMA3_2_ROPE_FACTOR:g}; add rope_scale_factor to params.json for another",
+                  file=sys.stderr)
     hidden = params.get("hidden_dim") or meta_ffn_hidden_dim(
         dim, params.get("multiple_of", 256), params.get("ffn_dim_multiplier")
     )
@@ -77,7 +87,7 @@ def args_from_meta_params(params: dict, source: Path, vocab_size: int | None = N
             norm_eps=float(params.get("norm_eps", 1e-5)),
             rope_theta=float(params.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
-            tie_embeddings=bool(params.get("tie_embeddings", False)),
+            tie_embeddings=tied or bool(params.get("tie_embeddings", False)),
         ),
         source,
     )
