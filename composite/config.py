@@ -209,6 +209,10 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
                 f"--shards {overrides['shards']} conflicts with the config's placement of "
                 f"{len(data['placement'])} shards; pass --placement too"
             )
+    if "shards" not in values and isinstance(values.get("layers_per_shard"), list):
+        values["shards"] = len(values["layers_per_shard"])  # one entry per shard says how many
+    if values.get("output") == "":
+        raise UserError("output is empty: name the artifacts folder (default: artifacts)")
     config = ExportConfig(**values)
     # Paths are relative to the working directory, as on the command line.
     for key in ("checkpoint", "params", "tokenizer", "output"):

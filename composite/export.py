@@ -7,8 +7,10 @@ complete, so a failed export never leaves a folder that looks usable.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import signal
 import shutil
 import sys
 import tempfile
@@ -48,6 +50,7 @@ def parse_args(argv):
     p.add_argument("--quantize", choices=["none", "8da4w"], help="XNNPACK weight quantization")
     p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
+    p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
 
 
@@ -102,6 +105,22 @@ def resolve_tokenizer(config: ExportConfig, loaded: LoadedModel) -> Tokenizer | 
     return tokenizer
 
 
+def check_group_sizes(args, placements: list[Placement]) -> None:
+    """8da4w groups must divide a linear's input width, or that linear stays fp32: say so before
+    any lowering, and refuse a group size that would leave every linear unquantized."""
+    widths = {"dim": args.dim, "hidden_dim": args.hidden_dim, "n_heads x head_dim": args.n_heads * args.head_dim}
+    for group in sorted({p.options["group_size"] for p in placements
+                         if p.backend == "xnnpack" and p.options["quantize"] == "8da4w" and p.options["group_size"]}):
+        misfits = {name: width for name, width in widths.items() if width % group}
+        described = ", ".join(f"{name} {width}" for name, width in misfits.items())
+        if len(misfits) == len(widths):
+            raise UserError(f"--group-size {group} divides none of this model's linear input widths ({described}): "
+                            "nothing would be quantized; choose a divisor of them (e.g. 32), or 0 for per channel")
+        if misfits:
+            print(f"warning: group size {group} does not divide {described}: those linears stay fp32",
+                  file=sys.stderr)
+
+
 def method_inputs(args, spec: ShardSpec, config: ExportConfig) -> dict[str, tuple]:
     return {
         name: tuple(t.example() for t in shard_io(args, spec, n, config.max_seq_len)[0])
@@ -153,7 +172,10 @@ def calibrate_qnn_shards(loaded: LoadedModel, modules: list[ShardModule], jobs: 
     held_out = {}
     for key, group in groups.items():
         consumers = {index: (job.observe if job.quantized else (lambda method, inputs: None)) for index, job in group.items()}
-        held_out.update(calibrate(loaded.model, modules, consumers, methods, config.max_seq_len, json.loads(key), tokenizer))
+        options = json.loads(key)
+        if not any(job.quantized for job in group.values()):
+            options["samples"] = 0  # fp16 shards need only the held-out input, to measure SQNR
+        held_out.update(calibrate(loaded.model, modules, consumers, methods, config.max_seq_len, options, tokenizer))
     return held_out
 
 
@@ -181,16 +203,17 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
     model = loaded.model
     modules = [ShardModule(model, spec).eval() for spec in specs]
     qnn_jobs, held_out = {}, {}
+    calibration_seconds = None
     if any(p.backend == "qnn" for p in placements):
         from composite.lowering.qnn import QnnShardLowering
 
         for spec, placement, module in zip(specs, placements, modules):
             if placement.backend == "qnn":
                 qnn_jobs[spec.index] = QnnShardLowering(module, method_inputs(model.args, spec, config), placement.options)
-        quantized = sum(job.quantized for job in qnn_jobs.values())
-        if quantized:
-            print(f"calibrating {quantized} quantized QNN shard(s) with the float model", file=sys.stderr)
+        started = time.perf_counter()
         held_out = calibrate_qnn_shards(loaded, modules, qnn_jobs, config, tokenizer)
+        if any(job.quantized for job in qnn_jobs.values()):
+            calibration_seconds = time.perf_counter() - started
     entries: dict[int, dict] = {}
     pending_qnn = []  # QNN shards wait for the spill-fill size shared by all of them
     for spec, placement, module in tqdm(list(zip(specs, placements, modules)), desc="lowering shards",
@@ -210,7 +233,8 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
 
         spill_fill, own_spill_fill = qnn.share_spill_fill([edge for _, _, edge, _, _ in pending_qnn])
         host = qnn_host.prepare()
-        qnn_summary = {"build_id": host.build_id, "libraries": host.source, "spill_fill_bytes": spill_fill}
+        qnn_summary = {"build_id": host.build_id, "libraries": host.source, "spill_fill_bytes": spill_fill,
+                       "calibration_seconds": None if calibration_seconds is None else round(calibration_seconds, 2)}
         for (spec, placement, edge, notes, seconds), own in zip(pending_qnn, own_spill_fill):
             started = time.perf_counter()
             entry = shard_entry(model, spec, placement, config, staging, finish(edge, notes),
@@ -313,6 +337,12 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     total = sum(s["size"] for s in shards)
+    for s in shards:
+        for note in s["notes"]:
+            print(f"note: shard {s['index']}: {note}")
+    if qnn_summary is not None and qnn_summary.get("calibration_seconds") is not None:
+        print(f"calibration of the quantized QNN shards (one pass of the float model): "
+              f"{qnn_summary['calibration_seconds']:.1f} s, not in the seconds column")
     if qnn_summary is not None:
         print(f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
               f"{qnn_summary['spill_fill_bytes']} bytes")
@@ -327,15 +357,14 @@ def run_export(config: ExportConfig) -> Path:
 
         qnn_host.activate()  # before any slow work: may re-execute this process once
     output = Path(config.output)
-    if output.exists() and not output.is_dir():
-        raise UserError(f"--output {output} exists and is not a folder")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    loaded = load_checkpoint(config.checkpoint, config.params)
-    args = loaded.model.args
-    specs = plan_shards(args, config.shards, config.layers_per_shard)
-    tokenizer = resolve_tokenizer(config, loaded)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    check_output(output)
+    staging = make_staging(output)
     try:
+        loaded = load_checkpoint(config.checkpoint, config.params)
+        args = loaded.model.args
+        specs = plan_shards(args, config.shards, config.layers_per_shard)
+        check_group_sizes(args, placements)
+        tokenizer = resolve_tokenizer(config, loaded)
         shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, staging)
         for shard in shards:
             check_against_runtime(staging, shard)
@@ -350,27 +379,69 @@ def run_export(config: ExportConfig) -> Path:
     return output
 
 
+def check_output(output: Path) -> None:
+    """Refuse a target that cannot take an export before any slow work; say when one is replaced."""
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} exists and is not a folder")
+    if output.is_dir() and any(output.iterdir()):
+        if not (output / manifest_schema.FILENAME).exists():
+            raise UserError(f"--output {output} is a non-empty folder that is not a composite export; refusing to replace it")
+        print(f"note: {output} holds an earlier export; it is replaced when this one is complete", file=sys.stderr)
+
+
+def make_staging(output: Path) -> Path:
+    """The hidden folder the export is written into, beside the target and named after this
+    process; ones left by exports that died (their process is gone) are removed first."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        for leftover in output.parent.glob(f".{output.name}.partial-*"):
+            if not process_alive(leftover.name.rsplit(".partial-", 1)[1].split("-", 1)[0]):
+                shutil.rmtree(leftover, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-{os.getpid()}-", dir=output.parent))
+    except OSError as e:
+        raise UserError(f"cannot write an export to {output}: {e.strerror}") from None
+
+
+def process_alive(pid_text: str) -> bool:
+    try:
+        os.kill(int(pid_text), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def replace_folder(staging: Path, output: Path) -> None:
     """Move the complete staging folder to `output`; an older export there is swapped out whole."""
     os.chmod(staging, 0o755)
     if not output.exists():
         os.rename(staging, output)
         return
-    if not (output / manifest_schema.FILENAME).exists() and any(output.iterdir()):
-        raise UserError(f"--output {output} is a non-empty folder that is not a composite export; refusing to replace it")
     retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
     os.rename(output, retired / "artifacts")
     os.rename(staging, output)
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def terminated(signum, _frame):
+    raise SystemExit(128 + signum)  # unwinds through run_export, which removes its staging folder
+
+
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, terminated)
+    config = config_from_args(args)
+    if any(p.backend == "qnn" for p in config.placements()):
+        from composite import qnn_host
+
+        qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     try:
-        run_export(config_from_args(args))
+        with quiet.filtered_native_stderr(args.verbose):
+            run_export(config)
     except OSError as e:
-        if e.errno == 28:
+        if e.errno == errno.ENOSPC:
             raise UserError(f"out of disk space while writing the export ({e.filename or 'artifacts'}); nothing was replaced") from None
         raise
 

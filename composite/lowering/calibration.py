@@ -15,10 +15,12 @@ One more input per method, from text not used for calibration, is kept to measur
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from composite.errors import UserError
 from composite.manifest import DECODE, PREFILL
@@ -97,6 +99,8 @@ def calibrate(model, shard_modules: list, consumers: dict[int, Consumer], method
     plan.append((1, 1))  # held out
     stream = token_stream(options, tokenizer, model.args.vocab_size, sum(p * width + d for p, d in plan))
     cursor = 0
+    progress = tqdm(total=sum(c + d for c, d in plan), desc="calibrating", unit="call", file=sys.stderr,
+                    disable=prefill_calls == 0)
     for pass_index, (chunks, steps) in enumerate(plan):
         holding_out = pass_index == len(plan) - 1
         chain.reset()
@@ -105,10 +109,13 @@ def calibrate(model, shard_modules: list, consumers: dict[int, Consumer], method
             chain.forward(PREFILL, stream[cursor : cursor + width], pos)
             pos += width
             cursor += width
+            progress.update()
         for _ in range(steps):
             chain.forward(DECODE, [stream[cursor]], pos)
             pos += 1
             cursor += 1
+            progress.update()
+    progress.close()
     return held_out
 
 

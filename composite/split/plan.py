@@ -67,7 +67,7 @@ def plan_shards(args: ModelArgs, n_shards: int, layers_per_shard: list[int] | No
     n_layers = args.n_layers
     if n_shards < 1 or n_shards > n_layers + 2:
         raise UserError(
-            f"--shards {n_shards} is out of range: this model has {n_layers} layers, so 1 to "
+            f"{n_shards} shards is out of range: this model has {n_layers} layers, so 1 to "
             f"{n_layers + 2} shards (embedding alone, one layer each, head alone)"
         )
     if layers_per_shard is not None:
