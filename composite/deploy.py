@@ -234,7 +234,7 @@ def run(args) -> int:
         runner_args += ["--prompt", args.prompt]
     else:
         runner_args += ["--prompt_ids", args.prompt_ids]
-    runner_args += [a for a in args.runner_args if a != "--"]
+    runner_args += args.runner_args
     qnn_dir = f"{device_dir}/{QNN_SUBDIR}"
     adsp = ";".join((qnn_dir, *ADSP_SYSTEM_DIRS))
     # The pushed folder only: the runner's own libraries sit beside it, QNN's in qnn/.
@@ -261,7 +261,7 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("push", "run"):
-        s = sub.add_parser(name)
+        s = sub.add_parser(name, allow_abbrev=False)
         s.add_argument("--transport", choices=["adb", "local"], default="adb")
         s.add_argument("--serial", help="adb device serial (needed when several are connected)")
         s.add_argument("--device-dir", default=DEFAULT_DEVICE_DIR, help=f"folder on the device (default {DEFAULT_DEVICE_DIR})")
@@ -277,9 +277,15 @@ def parse_args(argv):
             prompt = s.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt")
             prompt.add_argument("--prompt-ids", help="comma-separated token ids")
-            s.add_argument("--stats-out", default="device_stats.json", help="where the pulled stats JSON goes")
-            s.add_argument("runner_args", nargs=argparse.REMAINDER, help="more composite_runner flags after --")
-    return p.parse_args(argv)
+            s.add_argument("--stats-out", default="device_stats.json",
+                           help="where the pulled stats JSON goes (default device_stats.json)")
+    p.epilog = "run passes any other flag to composite_runner (e.g. --max_new_tokens 64 --temperature 0.8)."
+    args, others = p.parse_known_args(argv)
+    if args.command == "run":
+        args.runner_args = [a for a in others if a != "--"]
+    elif others:
+        p.error(f"unrecognized arguments: {' '.join(others)}")
+    return args
 
 
 @exits_cleanly

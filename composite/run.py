@@ -13,23 +13,29 @@ quiet.silence_library_noise()
 
 from composite import manifest as manifest_schema  # noqa: E402
 from composite.errors import UserError, exits_cleanly  # noqa: E402
-from composite.runtime.sampler import Sampler  # noqa: E402
+from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
+from composite.runtime.sampler import Sampler, fresh_seed  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m composite.run", description=__doc__.split(":", 1)[1].strip())
+    p = argparse.ArgumentParser(prog="python -m composite.run", description=__doc__.split(":", 1)[1].strip(),
+                                epilog="Flags may also be spelled with underscores, as composite_runner's "
+                                       "(--max_new_tokens); both runners share these defaults.")
     p.add_argument("--artifacts", required=True, help="export folder (holds manifest.json)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (BOS added per the manifest)")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, comma separated, used as given")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seq-len", type=int, help="tokens in all, prompt included (default: the export's max_seq_len)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    prompt.add_argument("--prompt-ids", "--prompt_ids", help="prompt token ids, comma separated, used as given")
+    p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"stop after this many new tokens (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--seq-len", "--seq_len", type=int,
+                   help="tokens in all, prompt included (default: the export's max_seq_len)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", "--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int, help="sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--reference", action="store_true", help="run the unsplit eager PyTorch model instead")
     p.add_argument("--verify", action="store_true", help="check every shard's sha256 before loading")
+    p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
 
 
@@ -60,17 +66,29 @@ def load_tokenizer(folder: Path, manifest: dict):
     return Tokenizer(folder / entry["file"], entry["type"])
 
 
+def continuation(tokenizer, context: list[int], tokens: list[int]) -> str:
+    """The text `tokens` add after `context` (the prompt's last token): decoded alone, a
+    SentencePiece piece would lose the space it starts with."""
+    return tokenizer.decode(context + tokens)[len(tokenizer.decode(context)):]
+
+
 class TextStream:
     """Prints decoded text as tokens arrive, holding back bytes of an unfinished UTF-8 character."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+    def __init__(self, tokenizer, context: list[int]):
+        self.tokenizer, self.context, self.tokens, self.printed = tokenizer, context, [], ""
 
     def __call__(self, token: int) -> None:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return
+        text = continuation(self.tokenizer, self.context, self.tokens)
+        if not text.endswith("\ufffd"):
+            self._write(text)
+
+    def finish(self) -> None:
+        """What is still held back: bytes that never completed a character (shown replaced)."""
+        self._write(continuation(self.tokenizer, self.context, self.tokens))
+
+    def _write(self, text: str) -> None:
         sys.stdout.write(text[len(self.printed):])
         sys.stdout.flush()
         self.printed = text
@@ -80,20 +98,30 @@ class TextStream:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not 0.0 < args.top_p <= 1.0:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p:g}")
     if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+        raise UserError(f"--temperature must be >= 0, got {args.temperature:g}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise UserError(f"--seed must be in 0 .. 2^64-1, got {args.seed}")
     folder = Path(args.artifacts)
     manifest = manifest_schema.read(folder)
     if not args.reference and any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"]):
         from composite import qnn_host
 
         qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
+    with quiet.filtered_native_stderr(args.verbose):
+        generate_and_report(args, folder, manifest)
+
+
+def generate_and_report(args, folder: Path, manifest: dict) -> None:
     tokenizer = load_tokenizer(folder, manifest)
     prompt = prompt_tokens(args, manifest, tokenizer)
-    sampler = Sampler(args.temperature, args.top_p, args.seed)
+    seed = fresh_seed() if args.seed is None else args.seed
+    if args.temperature > 0 and args.seed is None:
+        print(f"seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
+    sampler = Sampler(args.temperature, args.top_p, seed)
     eos = tuple(manifest["eos_ids"])
-    stream = TextStream(tokenizer) if tokenizer is not None and not args.json else None
+    stream = TextStream(tokenizer, prompt[-1:]) if tokenizer is not None and not args.json else None
     load_seconds = 0.0
     shard_seconds = None
     if args.reference:
@@ -114,7 +142,7 @@ def main(argv=None) -> None:
     stats = {
         "tokens": generation.tokens,
         "prompt_tokens": len(prompt),
-        "text": tokenizer.decode(generation.tokens) if tokenizer is not None else None,
+        "text": continuation(tokenizer, prompt[-1:], generation.tokens) if tokenizer is not None else None,
         "stop_reason": generation.stop_reason,
         "load_ms": round(load_seconds * 1000, 2),
         "time_to_first_token_ms": round(generation.first_token_seconds * 1000, 2),
@@ -122,6 +150,7 @@ def main(argv=None) -> None:
         "decode_tokens_per_s": round(n_decode / generation.decode_seconds, 2) if n_decode and generation.decode_seconds else None,
         "shard_ms_per_call": [round(s * 1000 / calls, 3) for s in shard_seconds] if shard_seconds else None,
         "runner": "reference" if args.reference else "composite.run",
+        "seed": seed,
     }
     if args.json:
         print(json.dumps(stats))
@@ -129,6 +158,7 @@ def main(argv=None) -> None:
     if stream is None:
         print(" ".join(map(str, generation.tokens)))
     else:
+        stream.finish()
         print()
     if generation.stop_reason == "max_seq_len":
         print(f"stopped: reached max_seq_len {manifest['max_seq_len']}", file=sys.stderr)

@@ -1,12 +1,12 @@
 // composite_runner: generate text with an export's shards, chained token by token.
 //
-//   composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3)
-//       [--seq_len N] [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
-//       [--stats_json FILE] [--verify] [--threads N]
+//   composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3) [options]
+//   (composite_runner --help lists the options and their defaults)
 //
 // Text streams to stdout; a one-line summary goes to stderr, and the full stats to --stats_json.
 #include <sys/resource.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +14,8 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,33 +26,101 @@
 #include "qnn_libraries.h"
 #include "sampler.h"
 #include "shard_chain.h"
+#include "stderr_filter.h"
 #include "tokenizer.h"
 
 using namespace composite;
 
 namespace {
 
+// Both runners' defaults (composite/runtime/generate.py says the same).
+constexpr int kDefaultMaxNewTokens = 128;
+
 struct Options {
   std::string artifacts, prompt, prompt_file, prompt_ids, stats_json;
   bool has_prompt = false;
   int seq_len = 0;  // total tokens, prompt included; 0 = max_seq_len
-  int max_new_tokens = 0;  // 0 = no limit besides seq_len
+  int max_new_tokens = kDefaultMaxNewTokens;
   float temperature = 0.f, top_p = 1.f;
   uint64_t seed = 0;
-  bool verify = false;
+  bool seed_given = false;
+  bool verify = false, verbose = false;
   int threads = 0;  // 0 = the performant cores
 };
 
-const char* kUsage =
-    "usage: composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3)\n"
-    "         [--seq_len N] [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]\n"
-    "         [--stats_json FILE] [--verify] [--threads N]\n";
+struct Flag {
+  const char* name;
+  const char* value;  // nullptr: a switch
+  const char* help;
+};
 
-double parse_number(const std::string& flag, const std::string& text, double lo, double hi) {
+// Each flag may also be spelled with hyphens (--max-new-tokens), as composite.run's are.
+const Flag kFlags[] = {
+    {"--artifacts", "DIR", "export folder (holds manifest.json); required"},
+    {"--prompt", "TEXT", "prompt text (BOS added per the manifest); one of the three prompt flags is required"},
+    {"--prompt_file", "FILE", "prompt text from a file"},
+    {"--prompt_ids", "1,2,3", "prompt token ids, used as given"},
+    {"--max_new_tokens", "N", "stop after N new tokens (default 128)"},
+    {"--seq_len", "N", "stop at N tokens in all, prompt included (default: the export's max_seq_len)"},
+    {"--temperature", "T", "0 = greedy (default 0)"},
+    {"--top_p", "P", "nucleus sampling mass in (0, 1] (default 1)"},
+    {"--seed", "S", "sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)"},
+    {"--threads", "N", "CPU threads for XNNPACK (default: the performant cores)"},
+    {"--stats_json", "FILE", "write the run's stats (timings per shard, tokens, peak RSS) as JSON"},
+    {"--verify", nullptr, "check every shard's sha256 before loading"},
+    {"--verbose", nullptr, "also show the QNN libraries' routine log lines and ExecuTorch's info lines"},
+    {"--help", nullptr, "this text"},
+};
+
+void print_help() {
+  std::cout << "usage: composite_runner --artifacts DIR (--prompt TEXT | --prompt_file FILE | --prompt_ids 1,2,3) "
+               "[options]\n\nGenerates text with an export's shards chained token by token; text streams to stdout,\n"
+               "a one-line summary goes to stderr.\n\n";
+  for (const Flag& flag : kFlags) {
+    const std::string left = std::string(flag.name) + (flag.value ? std::string(" ") + flag.value : "");
+    std::cout << "  " << left << std::string(left.size() < 24 ? 24 - left.size() : 1, ' ') << flag.help << "\n";
+  }
+  std::cout << "\nFlags may also be spelled with hyphens (--max-new-tokens), as composite.run's are.\n";
+}
+
+// "--max-new-tokens" -> "--max_new_tokens"
+std::string canonical_flag(std::string arg) {
+  for (size_t i = 2; i < arg.size(); ++i) {
+    if (arg[i] == '-') arg[i] = '_';
+  }
+  return arg;
+}
+
+const Flag* find_flag(const std::string& name) {
+  for (const Flag& flag : kFlags) {
+    if (name == flag.name) return &flag;
+  }
+  return nullptr;
+}
+
+std::string readable(double value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", value);
+  return text;
+}
+
+// A number in [lo, hi], or (lo, hi] when lo_open.
+double parse_number(const std::string& flag, const std::string& text, double lo, double hi, bool lo_open = false) {
   char* end = nullptr;
   const double value = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || value < lo || value > hi) {
-    throw RunnerError(flag + " needs a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + text + "'");
+  if (text.empty() || *end != '\0' || value < lo || (lo_open && value == lo) || value > hi) {
+    throw RunnerError(flag + " needs a number in " + (lo_open ? "(" : "[") + readable(lo) + ", " + readable(hi) +
+                      "], got '" + text + "'");
+  }
+  return value;
+}
+
+uint64_t parse_seed(const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(text.c_str(), &end, 10);
+  if (text.empty() || text[0] == '-' || *end != '\0' || errno == ERANGE) {
+    throw RunnerError("--seed needs a whole number in 0 .. 18446744073709551615, got '" + text + "'");
   }
   return value;
 }
@@ -60,30 +130,30 @@ Options parse_options(int argc, char** argv) {
   std::map<std::string, std::string> values;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::cout << kUsage;
-      std::exit(0);
-    }
-    if (arg == "--verify") {
-      o.verify = true;
-      continue;
-    }
     std::string value;
     const auto eq = arg.find('=');
-    if (eq != std::string::npos) {
+    const bool inline_value = eq != std::string::npos && arg.rfind("--", 0) == 0;
+    if (inline_value) {
       value = arg.substr(eq + 1);
       arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      throw RunnerError(arg + " needs a value");
     }
-    static const char* known[] = {"--artifacts", "--prompt", "--prompt_file", "--prompt_ids", "--seq_len", "--max_new_tokens",
-                                  "--temperature", "--top_p", "--seed", "--stats_json", "--threads"};
-    bool ok = false;
-    for (const char* k : known) ok |= arg == k;
-    if (!ok) throw RunnerError("unknown flag '" + arg + "' (see --help)");
-    values[arg] = value;
+    if (arg == "-h") arg = "--help";
+    const std::string name = canonical_flag(arg);
+    const Flag* flag = find_flag(name);
+    if (flag == nullptr) throw RunnerError("unknown flag '" + arg + "' (see --help)");
+    if (flag->value == nullptr) {
+      if (name == "--help") {
+        print_help();
+        std::exit(0);
+      }
+      (name == "--verify" ? o.verify : o.verbose) = true;
+      continue;
+    }
+    if (!inline_value) {
+      if (i + 1 >= argc) throw RunnerError(name + " needs a value (" + flag->value + ")");
+      value = argv[++i];
+    }
+    values[name] = value;
   }
   if (!values.count("--artifacts")) throw RunnerError("--artifacts DIR is required");
   o.artifacts = values["--artifacts"];
@@ -95,8 +165,8 @@ Options parse_options(int argc, char** argv) {
   if (values.count("--seq_len")) o.seq_len = static_cast<int>(parse_number("--seq_len", values["--seq_len"], 1, 1e9));
   if (values.count("--max_new_tokens")) o.max_new_tokens = static_cast<int>(parse_number("--max_new_tokens", values["--max_new_tokens"], 1, 1e9));
   if (values.count("--temperature")) o.temperature = static_cast<float>(parse_number("--temperature", values["--temperature"], 0, 100));
-  if (values.count("--top_p")) o.top_p = static_cast<float>(parse_number("--top_p", values["--top_p"], 1e-9, 1));
-  if (values.count("--seed")) o.seed = static_cast<uint64_t>(parse_number("--seed", values["--seed"], 0, 1.8e19));
+  if (values.count("--top_p")) o.top_p = static_cast<float>(parse_number("--top_p", values["--top_p"], 0, 1, true));
+  if (values.count("--seed")) o.seed = parse_seed(values["--seed"]), o.seed_given = true;
   if (values.count("--stats_json")) o.stats_json = values["--stats_json"];
   if (values.count("--threads")) o.threads = static_cast<int>(parse_number("--threads", values["--threads"], 1, 256));
   return o;
@@ -157,8 +227,13 @@ double since(std::chrono::steady_clock::time_point start) {
 
 int run(int argc, char** argv) {
   const Options o = parse_options(argc, argv);
+  if (o.verbose) setenv("COMPOSITE_LOG", "info", 1);
   const auto load_start = std::chrono::steady_clock::now();
   const Manifest manifest = load_manifest(o.artifacts);
+  // The QNN backend and libraries print their routine lines on every load and teardown; declared
+  // before the chain, the filter outlives it.
+  std::optional<RoutineStderrFilter> quiet_qnn;
+  if (!manifest.qnn_build_id.empty() && !o.verbose) quiet_qnn.emplace();
   check_files(manifest, o.verify);
   std::unique_ptr<Tokenizer> tokenizer;
   if (!manifest.tokenizer_file.empty()) tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
@@ -184,7 +259,9 @@ int run(int argc, char** argv) {
   ShardChain chain(manifest);
   const double load_seconds = since(load_start);
 
-  Sampler sampler(o.temperature, o.top_p, o.seed);
+  const uint64_t seed = o.seed_given ? o.seed : std::random_device{}() * 4294967296ULL + std::random_device{}();
+  if (o.temperature > 0 && !o.seed_given) std::cerr << "seed " << seed << " (--seed " << seed << " repeats this run)\n";
+  Sampler sampler(o.temperature, o.top_p, seed);
   Utf8Stream stream;
   std::vector<int64_t> generated;
   int64_t previous = prompt.back();
@@ -222,7 +299,7 @@ int run(int argc, char** argv) {
       stop_reason = "eos";
       break;
     }
-    if (o.max_new_tokens && static_cast<int>(generated.size()) >= o.max_new_tokens) {
+    if (static_cast<int>(generated.size()) >= o.max_new_tokens) {
       stop_reason = "max_new_tokens";
       break;
     }
@@ -257,10 +334,17 @@ int run(int argc, char** argv) {
   stats["prefill_kv_write_ms_per_token"] = prefill_kv_write_ms;
   stats["prefill_width"] = width;
   stats["threads"] = threads;
+  stats["seed"] = seed;
   stats["peak_rss_mb"] = peak_rss_mb();
   std::vector<std::string> backends;
   for (const auto& s : manifest.shards) backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
   stats["shard_backends"] = backends;
+#if defined(__x86_64__)
+  // QNN shards on an x86 host run on Qualcomm's HTP simulator, whose timings say nothing about a phone.
+  stats["qnn_simulator"] = !manifest.qnn_build_id.empty();
+#else
+  stats["qnn_simulator"] = false;
+#endif
   std::vector<std::string> layers;
   for (const auto& s : manifest.shards) {
     std::string label = s.has_embedding ? "emb" : "";

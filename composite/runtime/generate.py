@@ -10,6 +10,9 @@ import torch
 from composite.errors import UserError
 from composite.manifest import DECODE, PREFILL
 
+# Both runners' default (runner_cpp/main.cpp says the same).
+DEFAULT_MAX_NEW_TOKENS = 128
+
 
 @dataclass
 class Generation:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import secrets
+
 import torch
+
+
+def fresh_seed() -> int:
+    """A seed for a run that was given none (both runners default to one, and print it)."""
+    return secrets.randbits(63)
 
 
 class Sampler:
