@@ -15,7 +15,9 @@ from pathlib import Path
 from composite.errors import UserError, exits_cleanly
 
 BACKEND_COLOURS = {"XnnpackBackend": "#4C78A8", "QnnBackend": "#F58518", "portable": "#9D9D9D"}
+BACKEND_NAMES = {"XnnpackBackend": "XNNPACK", "QnnBackend": "QNN HTP", "portable": "portable"}
 KV_COLOUR = "#54A24B"
+SIMULATED_HATCH = "///"
 
 
 @dataclass
@@ -31,6 +33,7 @@ class RunTimes:
     prefill_kv_ms: float
     decode_tokens_per_s: float
     prefill_tokens_per_s: float
+    qnn_simulated: bool = False  # QNN shards ran on the x86 HTP simulator: not a phone's timing
 
 
 def _number_list(stats: dict, key: str, count: int, source: str) -> list[float]:
@@ -69,6 +72,7 @@ def read_stats(path: Path, label: str | None = None) -> RunTimes:
         prefill_kv_ms=float(stats["prefill_kv_write_ms_per_token"]),
         decode_tokens_per_s=float(stats["decode_tokens_per_s"]),
         prefill_tokens_per_s=float(stats["prefill_tokens_per_s"]),
+        qnn_simulated=bool(stats.get("qnn_simulator", False)),
     )
 
 
@@ -94,29 +98,43 @@ def render(runs: list[RunTimes], png: Path, title: str = "") -> dict:
     import matplotlib.pyplot as plt
 
     plotted: dict[str, dict[str, list[tuple[str, float]]]] = {"decode": {}, "prefill": {}}
-    fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 1.1 * len(runs) * 2), squeeze=False)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 2.2 + 1.1 * len(runs) * 2), squeeze=False)
     for ax, phase in zip(axes[:, 0], ("decode", "prefill")):
-        for row, run in enumerate(runs):
+        totals = []
+        for run in runs:
             times = run.decode_ms if phase == "decode" else run.prefill_ms
             kv = run.decode_kv_ms if phase == "decode" else run.prefill_kv_ms
-            segments = list(zip(run.shard_labels, times)) + [("KV update", kv)]
-            plotted[phase][run.label] = segments
+            plotted[phase][run.label] = list(zip(run.shard_labels, times)) + [("KV update", kv)]
+            totals.append(sum(times) + kv)
+        width = max(max(totals), 1e-9)
+        ax.set_xlim(0, width * 1.02)
+        # A segment is labelled only where its label fits: about 1.6% of the axis per character.
+        char_width = 0.016 * width
+        for row, run in enumerate(runs):
             left = 0.0
-            for (name, ms), backend in zip(segments, run.backends + ["kv"]):
+            for (name, ms), backend in zip(plotted[phase][run.label], run.backends + ["kv"]):
                 colour = KV_COLOUR if backend == "kv" else BACKEND_COLOURS.get(backend, "#B279A2")
-                ax.barh(row, ms, left=left, color=colour, edgecolor="white")
-                if ms > 0.06 * max(sum(times) + kv, 1e-9):
-                    ax.text(left + ms / 2, row, name.split(" ")[0] if backend != "kv" else "KV", ha="center",
-                            va="center", fontsize=8, color="white")
+                hatch = SIMULATED_HATCH if backend == "QnnBackend" and run.qnn_simulated else None
+                ax.barh(row, ms, left=left, color=colour, edgecolor="white", hatch=hatch)
+                text = "KV" if backend == "kv" else name.split(" ")[0]
+                if ms > char_width * (len(text) + 1):
+                    ax.text(left + ms / 2, row, text, ha="center", va="center", fontsize=8, color="white")
                 left += ms
-        ax.set_yticks(range(len(runs)), [run.label for run in runs])
+        speed = [run.decode_tokens_per_s if phase == "decode" else run.prefill_tokens_per_s for run in runs]
+        ax.set_yticks(range(len(runs)), [f"{run.label}\n{tps:.1f} tok/s" for run, tps in zip(runs, speed)])
         ax.invert_yaxis()
-        ax.set_xlabel(f"{phase}: ms per token")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*BACKEND_COLOURS.values(), KV_COLOUR)]
-    axes[0, 0].legend(handles, ["XNNPACK", "QNN HTP", "portable", "KV update"], loc="lower right", fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+        ax.set_xlabel(f"{phase}: ms per token (segments: shards in order, then the KV-cache update)")
+    present = [b for b in BACKEND_COLOURS if any(b in run.backends for run in runs)]
+    simulated = any(run.qnn_simulated and "QnnBackend" in run.backends for run in runs)
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=BACKEND_COLOURS[b], edgecolor="white",
+                             hatch=SIMULATED_HATCH if b == "QnnBackend" and simulated else None) for b in present]
+    names = [BACKEND_NAMES[b] + (" (x86 simulator: not phone timing)" if b == "QnnBackend" and simulated else "")
+             for b in present]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color=KV_COLOUR))
+    names.append("KV update")
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    fig.suptitle(title or "time per token, by shard")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     png.parent.mkdir(parents=True, exist_ok=True)
     try:
         fig.savefig(png, dpi=110)
