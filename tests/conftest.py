@@ -46,6 +46,19 @@ def run_cli(module: str, *args: str, check: bool = False) -> subprocess.Complete
     return result
 
 
+def assert_clean_failure(result: subprocess.CompletedProcess, *phrases: str, output: Path | None = None) -> None:
+    """One `error:` line naming `phrases`, exit 2, no traceback; no export folder or staging left."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    if output is not None:
+        assert not output.exists()
+        assert not list(output.parent.glob(f".{output.name}.partial-*"))
+
+
 def rotate_half_to_meta(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of the loader's permutation: write weights the way Meta checkpoints store them."""
     rows, cols = weight.shape

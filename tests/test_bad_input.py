@@ -6,19 +6,7 @@ import json
 
 import pytest
 
-from conftest import LLAMA3_PARAMS, run_cli, write_meta_checkpoint
-
-
-def assert_clean_failure(result, *phrases, output=None):
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, result.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-    if output is not None:
-        assert not output.exists()
-        assert not list(output.parent.glob(f".{output.name}.partial-*"))
+from conftest import LLAMA3_PARAMS, assert_clean_failure, run_cli, write_meta_checkpoint
 
 
 def export(tmp_path, *args):

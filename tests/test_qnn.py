@@ -205,3 +205,30 @@ def test_unverified_qnn_library_version_is_refused_by_name(tmp_path):
     result = export_error("--shards", "2", "--placement", "qnn", "--output", str(tmp_path / "out"),
                           env=clean_env(QNN_SDK_ROOT=str(tmp_path / "sdk")))
     assert "v2.99.0.123" in result.stderr and "not verified" in result.stderr
+
+
+# What composite's CLIs write to stderr themselves: progress bars, notes, warnings.
+OUR_STDERR_PREFIXES = ("lowering shards", "calibrating", "note: ", "warning: ")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "16a4w"])
+def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, tmp_path, precision):
+    config = tmp_path / "quiet.yaml"
+    config.write_text(f"qnn: {{precision: {precision}, calibration: {{samples: 2}}}}\n")
+    out = tmp_path / "out"
+    result = run_cli("composite.export", "--config", str(config), "--shards", "3", "--layers-per-shard", "5,1,0",
+                     "--placement", "xnnpack,qnn,xnnpack", "--max-seq-len", "32", "--prefill-len", "4",
+                     "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    pieces = [p.strip() for line in result.stderr.split("\n") for p in line.split("\r") if p.strip()]
+    assert pieces and all(p.startswith(OUR_STDERR_PREFIXES) for p in pieces), pieces
+
+    python = run_cli("composite.run", "--artifacts", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "4")
+    assert python.returncode == 0, python.stderr
+    assert python.stderr.strip().splitlines() == [python.stderr.strip()] and python.stderr.startswith("prompt ")
+    cpp = subprocess.run([str(REPO / "build" / "composite_runner"), "--artifacts", str(out), "--prompt",
+                          "Once upon a time", "--max_new_tokens", "4"], capture_output=True, text=True)
+    assert cpp.returncode == 0, cpp.stderr
+    assert len(cpp.stderr.strip().splitlines()) == 1 and cpp.stderr.startswith("prompt "), cpp.stderr
+    verbose = run_cli("composite.run", "--artifacts", str(out), "--prompt", "hi", "--max-new-tokens", "2", "--verbose")
+    assert "[INFO] [Qnn ExecuTorch]" in verbose.stderr  # kept behind --verbose, not lost
