@@ -21,5 +21,5 @@ setup(
         "cmake>=3.28",
         "pyelftools",  # composite.deploy reads the runner's shared-library closure
     ],
-    extras_require={"test": ["pytest", "transformers"]},
+    extras_require={"test": ["pytest", "transformers", "ruff==0.17.6"]},
 )

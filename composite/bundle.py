@@ -24,13 +24,47 @@ from elftools.elf.elffile import ELFFile
 from composite.errors import UserError
 
 # Present on every device of the kind; never pushed.
-GLIBC_RUNTIME = ("ld-linux", "libc.so", "libm.so", "libdl.so", "libpthread.so", "librt.so", "libutil.so",
-                 "libresolv.so", "libstdc++.so", "libgcc_s.so")
-ANDROID_SYSTEM = {f"{name}.so" for name in (
-    "libc", "libm", "libdl", "liblog", "libandroid", "libz", "libEGL", "libGLESv1_CM", "libGLESv2", "libGLESv3",
-    "libjnigraphics", "libOpenSLES", "libOpenMAXAL", "libvulkan", "libnativewindow", "libmediandk",
-    "libcamera2ndk", "libneuralnetworks", "libsync", "libaaudio", "libamidi", "libbinder_ndk", "libicu",
-    "libcdsprpc")}
+GLIBC_RUNTIME = (
+    "ld-linux",
+    "libc.so",
+    "libm.so",
+    "libdl.so",
+    "libpthread.so",
+    "librt.so",
+    "libutil.so",
+    "libresolv.so",
+    "libstdc++.so",
+    "libgcc_s.so",
+)
+ANDROID_SYSTEM = {
+    f"{name}.so"
+    for name in (
+        "libc",
+        "libm",
+        "libdl",
+        "liblog",
+        "libandroid",
+        "libz",
+        "libEGL",
+        "libGLESv1_CM",
+        "libGLESv2",
+        "libGLESv3",
+        "libjnigraphics",
+        "libOpenSLES",
+        "libOpenMAXAL",
+        "libvulkan",
+        "libnativewindow",
+        "libmediandk",
+        "libcamera2ndk",
+        "libneuralnetworks",
+        "libsync",
+        "libaaudio",
+        "libamidi",
+        "libbinder_ndk",
+        "libicu",
+        "libcdsprpc",
+    )
+}
 MULTIARCH = {"EM_X86_64": "x86_64-linux-gnu", "EM_AARCH64": "aarch64-linux-gnu"}
 NDK_TRIPLE = {"EM_AARCH64": "aarch64-linux-android", "EM_X86_64": "x86_64-linux-android"}
 
@@ -97,19 +131,26 @@ def library_closure(runner_path: Path, library_path: list[Path] = ()) -> list[Pa
     while queue:
         elf = queue.pop()
         origin = str(elf.path.resolve().parent)
-        dirs = [*library_path, *(Path(d.replace("$ORIGIN", origin).replace("${ORIGIN}", origin)) for d in elf.search_path),
-                *fallback]
+        dirs = [
+            *library_path,
+            *(Path(d.replace("$ORIGIN", origin).replace("${ORIGIN}", origin)) for d in elf.search_path),
+            *fallback,
+        ]
         for name in elf.needed:
             if name in found or is_system_library(name, runner.android):
                 continue
             location = next((d / name for d in dirs if (d / name).is_file()), None)
             if location is None:
                 where = ", ".join(str(d) for d in dirs) or "nowhere"
-                raise UserError(f"{runner_path.name} needs {name} (via {elf.path.name}), found neither in {where} "
-                                "nor as a system library of the target: pass its folder with --library-path")
+                raise UserError(
+                    f"{runner_path.name} needs {name} (via {elf.path.name}), found neither in {where} "
+                    "nor as a system library of the target: pass its folder with --library-path"
+                )
             library = read_elf(location)
             if library.machine != runner.machine:
-                raise UserError(f"{location} is built for {library.machine}, but {runner_path.name} for {runner.machine}")
+                raise UserError(
+                    f"{location} is built for {library.machine}, but {runner_path.name} for {runner.machine}"
+                )
             found[name] = location
             queue.append(library)
     return [found[name] for name in sorted(found)]

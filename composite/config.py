@@ -30,8 +30,17 @@ QNN_SOCS = ("SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
 QNN_PRECISIONS = ("fp16", "16a4w", "16a8w", "8a8w", "16a16w")
 
 TOP_LEVEL_KEYS = (
-    "checkpoint", "params", "tokenizer", "max_seq_len", "prefill_len", "shards",
-    "layers_per_shard", "placement", "xnnpack", "qnn", "output",
+    "checkpoint",
+    "params",
+    "tokenizer",
+    "max_seq_len",
+    "prefill_len",
+    "shards",
+    "layers_per_shard",
+    "placement",
+    "xnnpack",
+    "qnn",
+    "output",
 )
 BACKEND_OPTION_KEYS = {
     "xnnpack": ("quantize", "group_size"),
@@ -106,7 +115,9 @@ class ExportConfig:
         else:
             raise UserError(f"{where} must be a backend name or a mapping, got {entry!r}")
         if backend not in BACKENDS:
-            raise UserError(f"unknown backend '{backend}' in {where}{_suggest(str(backend), BACKENDS)} (known: {', '.join(BACKENDS)})")
+            raise UserError(
+                f"unknown backend '{backend}' in {where}{_suggest(str(backend), BACKENDS)} (known: {', '.join(BACKENDS)})"
+            )
         _check_keys(overrides, BACKEND_OPTION_KEYS[backend], where)
         section = {"xnnpack": self.xnnpack, "qnn": self.qnn}.get(backend, {})
         options = {**DEFAULT_OPTIONS[backend], **section, **overrides}
@@ -129,15 +140,21 @@ def _check_keys(mapping: dict, allowed, where: str) -> None:
 def _check_backend_options(backend: str, options: dict, where: str) -> None:
     if backend == "xnnpack":
         if options["quantize"] not in XNNPACK_QUANTIZE:
-            raise UserError(f"{where}: xnnpack quantize must be one of {', '.join(XNNPACK_QUANTIZE)}, got {options['quantize']!r}")
+            raise UserError(
+                f"{where}: xnnpack quantize must be one of {', '.join(XNNPACK_QUANTIZE)}, got {options['quantize']!r}"
+            )
         size = options["group_size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise UserError(f"{where}: group_size must be a non-negative integer (0 = per channel), got {size!r}")
     if backend == "qnn":
         if options["soc"] not in QNN_SOCS:
-            raise UserError(f"{where}: unknown SoC {options['soc']!r}{_suggest(str(options['soc']), QNN_SOCS)}; supported: {', '.join(QNN_SOCS)}")
+            raise UserError(
+                f"{where}: unknown SoC {options['soc']!r}{_suggest(str(options['soc']), QNN_SOCS)}; supported: {', '.join(QNN_SOCS)}"
+            )
         if options["precision"] not in QNN_PRECISIONS:
-            raise UserError(f"{where}: qnn precision must be one of {', '.join(QNN_PRECISIONS)}, got {options['precision']!r}")
+            raise UserError(
+                f"{where}: qnn precision must be one of {', '.join(QNN_PRECISIONS)}, got {options['precision']!r}"
+            )
         _check_qnn_details(options, where)
 
 
@@ -147,8 +164,10 @@ def _check_qnn_details(options: dict, where: str) -> None:
         raise UserError(f"{where}: qnn overrides must map module names to precisions, e.g. {{output: 16a8w}}")
     for pattern, precision in overrides.items():
         if precision not in QNN_PRECISIONS[1:]:
-            raise UserError(f"{where}: override for '{pattern}' must be a quantized precision "
-                            f"({', '.join(QNN_PRECISIONS[1:])}), got {precision!r}")
+            raise UserError(
+                f"{where}: override for '{pattern}' must be a quantized precision "
+                f"({', '.join(QNN_PRECISIONS[1:])}), got {precision!r}"
+            )
         if options["precision"] == "fp16":
             raise UserError(f"{where}: overrides need a quantized precision for the shard, not fp16")
     calibration = options.get("calibration") or {}
@@ -203,12 +222,13 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
                 raise UserError(f"'{section}' in config {yaml_path} must be a mapping")
             _check_keys(data[section], BACKEND_OPTION_KEYS[section], f"'{section}' of config {yaml_path}")
     values = {**data, **{k: v for k, v in overrides.items() if v is not None}}
-    if overrides.get("shards") is not None and "placement" in data and overrides.get("placement") is None:
-        if isinstance(data["placement"], list) and len(data["placement"]) != overrides["shards"]:
-            raise UserError(
-                f"--shards {overrides['shards']} conflicts with the config's placement of "
-                f"{len(data['placement'])} shards; pass --placement too"
-            )
+    placement_in_yaml = data.get("placement") if overrides.get("placement") is None else None
+    shards_flag = overrides.get("shards")
+    if shards_flag is not None and isinstance(placement_in_yaml, list) and len(placement_in_yaml) != shards_flag:
+        raise UserError(
+            f"--shards {overrides['shards']} conflicts with the config's placement of "
+            f"{len(data['placement'])} shards; pass --placement too"
+        )
     if "shards" not in values and isinstance(values.get("layers_per_shard"), list):
         values["shards"] = len(values["layers_per_shard"])  # one entry per shard says how many
     if values.get("output") == "":

@@ -67,8 +67,11 @@ class LocalTransport:
         """Runs with the host's environment less its loader path, so the pushed libraries are all
         the runner sees. The one thing a phone does not need: with QNN shards, the simulator's ABI
         shim (pushed as libQnnHtp.so) is told where this machine's real libQnnHtp.so is."""
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("LD_LIBRARY_PATH", qnn_host.ACTIVE_MARKER, qnn_host.REAL_HTP_VARIABLE)}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("LD_LIBRARY_PATH", qnn_host.ACTIVE_MARKER, qnn_host.REAL_HTP_VARIABLE)
+        }
         if qnn:
             env[qnn_host.REAL_HTP_VARIABLE] = str(qnn_host.prepare().real_htp)
         return subprocess.run(["bash", "-c", command], env=env).returncode
@@ -84,7 +87,9 @@ class AdbTransport:
         listing = self._run("devices", device=False).stdout
         devices = [line.split()[0] for line in listing.splitlines()[1:] if line.strip().endswith("device")]
         if not devices:
-            raise UserError("no Android device connected ('adb devices' lists none): plug one in and allow USB debugging")
+            raise UserError(
+                "no Android device connected ('adb devices' lists none): plug one in and allow USB debugging"
+            )
         if serial is None:
             if len(devices) > 1:
                 raise UserError(f"{len(devices)} devices connected ({', '.join(devices)}): choose one with --serial")
@@ -166,18 +171,24 @@ def qnn_libraries(manifest: dict, transport_name: str) -> list[Path]:
         return sorted(p for p in folder.glob("libQnn*.so")) + sorted(folder.glob("libHtp*.so"))
     root = os.environ.get("QNN_SDK_ROOT")
     if not root:
-        raise UserError(f"the export has QNN shards for {', '.join(socs)}: set QNN_SDK_ROOT to the Qualcomm AI Engine "
-                        "Direct SDK whose runtime libraries go to the phone")
+        raise UserError(
+            f"the export has QNN shards for {', '.join(socs)}: set QNN_SDK_ROOT to the Qualcomm AI Engine "
+            "Direct SDK whose runtime libraries go to the phone"
+        )
     sdk = Path(root)
     needed = [sdk / "lib/aarch64-android/libQnnHtp.so", sdk / "lib/aarch64-android/libQnnSystem.so"]
     for soc in socs:
         arch = htp_arch(soc)
-        needed += [sdk / f"lib/aarch64-android/libQnnHtpV{arch}Stub.so",
-                   sdk / f"lib/hexagon-v{arch}/unsigned/libQnnHtpV{arch}Skel.so"]
+        needed += [
+            sdk / f"lib/aarch64-android/libQnnHtpV{arch}Stub.so",
+            sdk / f"lib/hexagon-v{arch}/unsigned/libQnnHtpV{arch}Skel.so",
+        ]
     missing = [p for p in needed if not p.is_file()]
     if missing:
-        raise UserError(f"QNN libraries for {', '.join(socs)} missing under QNN_SDK_ROOT={root}: "
-                        f"{', '.join(str(p.relative_to(sdk)) for p in missing)}")
+        raise UserError(
+            f"QNN libraries for {', '.join(socs)} missing under QNN_SDK_ROOT={root}: "
+            f"{', '.join(str(p.relative_to(sdk)) for p in missing)}"
+        )
     return needed
 
 
@@ -185,8 +196,9 @@ def default_runner(transport_name: str) -> Path:
     return PROJECT / ("build/composite_runner" if transport_name == "local" else "build-android/composite_runner")
 
 
-def plan_files(artifacts: Path, manifest: dict, runner: Path, transport_name: str, device_dir: str,
-               library_path: list[Path]) -> list[tuple[Path, str]]:
+def plan_files(
+    artifacts: Path, manifest: dict, runner: Path, transport_name: str, device_dir: str, library_path: list[Path]
+) -> list[tuple[Path, str]]:
     """Everything to push, checked to exist before anything is pushed."""
     if not runner.is_file():
         how = "bash scripts/build_runner.sh build" if transport_name == "local" else "bash scripts/build_android.sh"
@@ -239,8 +251,10 @@ def run(args) -> int:
     adsp = ";".join((qnn_dir, *ADSP_SYSTEM_DIRS))
     # The pushed folder only: the runner's own libraries sit beside it, QNN's in qnn/.
     library_path = f"{device_dir}:{qnn_dir}"
-    command = (f"cd {shlex.quote(device_dir)} && LD_LIBRARY_PATH={shlex.quote(library_path)} "
-               f"ADSP_LIBRARY_PATH={shlex.quote(adsp)} ./composite_runner {' '.join(shlex.quote(a) for a in runner_args)}")
+    command = (
+        f"cd {shlex.quote(device_dir)} && LD_LIBRARY_PATH={shlex.quote(library_path)} "
+        f"ADSP_LIBRARY_PATH={shlex.quote(adsp)} ./composite_runner {' '.join(shlex.quote(a) for a in runner_args)}"
+    )
     code = transport.shell(command, qnn=transport.name == "local" and Path(device_dir, QNN_SUBDIR).is_dir())
     if code != 0:
         raise UserError(f"composite_runner on {transport.name} exited with {code} (its message is above)")
@@ -257,28 +271,43 @@ def run(args) -> int:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m composite.deploy", description=__doc__.split(":", 1)[1].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m composite.deploy",
+        description=__doc__.split(":", 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("push", "run"):
         s = sub.add_parser(name, allow_abbrev=False)
         s.add_argument("--transport", choices=["adb", "local"], default="adb")
         s.add_argument("--serial", help="adb device serial (needed when several are connected)")
-        s.add_argument("--device-dir", default=DEFAULT_DEVICE_DIR, help=f"folder on the device (default {DEFAULT_DEVICE_DIR})")
-        s.add_argument("--local-root", default="device",
-                       help="--transport local: the folder standing in for the device (default ./device)")
+        s.add_argument(
+            "--device-dir", default=DEFAULT_DEVICE_DIR, help=f"folder on the device (default {DEFAULT_DEVICE_DIR})"
+        )
+        s.add_argument(
+            "--local-root",
+            default="device",
+            help="--transport local: the folder standing in for the device (default ./device)",
+        )
         if name == "push":
             s.add_argument("--artifacts", required=True, help="export folder (holds manifest.json)")
-            s.add_argument("--runner", help=f"runner binary (default {default_runner('adb')}; "
-                                            f"local: {default_runner('local')})")
-            s.add_argument("--library-path", help="folders (':'-separated) to find the runner's shared libraries in, "
-                                                  "searched before its RUNPATH and the target's default folders")
+            s.add_argument(
+                "--runner", help=f"runner binary (default {default_runner('adb')}; local: {default_runner('local')})"
+            )
+            s.add_argument(
+                "--library-path",
+                help="folders (':'-separated) to find the runner's shared libraries in, "
+                "searched before its RUNPATH and the target's default folders",
+            )
         else:
             prompt = s.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt")
             prompt.add_argument("--prompt-ids", help="comma-separated token ids")
-            s.add_argument("--stats-out", default="device_stats.json",
-                           help="where the pulled stats JSON goes (default device_stats.json)")
+            s.add_argument(
+                "--stats-out",
+                default="device_stats.json",
+                help="where the pulled stats JSON goes (default device_stats.json)",
+            )
     p.epilog = "run passes any other flag to composite_runner (e.g. --max_new_tokens 64 --temperature 0.8)."
     args, others = p.parse_known_args(argv)
     if args.command == "run":

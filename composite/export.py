@@ -10,8 +10,8 @@ import argparse
 import errno
 import json
 import os
-import signal
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -101,7 +101,9 @@ def resolve_tokenizer(config: ExportConfig, loaded: LoadedModel) -> Tokenizer | 
             "wrong tokenizer for this checkpoint?"
         )
     if tokenizer.vocab_size < vocab:
-        print(f"note: tokenizer has {tokenizer.vocab_size} tokens, the model {vocab} (padded vocabulary)", file=sys.stderr)
+        print(
+            f"note: tokenizer has {tokenizer.vocab_size} tokens, the model {vocab} (padded vocabulary)", file=sys.stderr
+        )
     return tokenizer
 
 
@@ -109,16 +111,22 @@ def check_group_sizes(args, placements: list[Placement]) -> None:
     """8da4w groups must divide a linear's input width, or that linear stays fp32: say so before
     any lowering, and refuse a group size that would leave every linear unquantized."""
     widths = {"dim": args.dim, "hidden_dim": args.hidden_dim, "n_heads x head_dim": args.n_heads * args.head_dim}
-    for group in sorted({p.options["group_size"] for p in placements
-                         if p.backend == "xnnpack" and p.options["quantize"] == "8da4w" and p.options["group_size"]}):
+    for group in sorted(
+        {
+            p.options["group_size"]
+            for p in placements
+            if p.backend == "xnnpack" and p.options["quantize"] == "8da4w" and p.options["group_size"]
+        }
+    ):
         misfits = {name: width for name, width in widths.items() if width % group}
         described = ", ".join(f"{name} {width}" for name, width in misfits.items())
         if len(misfits) == len(widths):
-            raise UserError(f"--group-size {group} divides none of this model's linear input widths ({described}): "
-                            "nothing would be quantized; choose a divisor of them (e.g. 32), or 0 for per channel")
+            raise UserError(
+                f"--group-size {group} divides none of this model's linear input widths ({described}): "
+                "nothing would be quantized; choose a divisor of them (e.g. 32), or 0 for per channel"
+            )
         if misfits:
-            print(f"warning: group size {group} does not divide {described}: those linears stay fp32",
-                  file=sys.stderr)
+            print(f"warning: group size {group} does not divide {described}: those linears stay fp32", file=sys.stderr)
 
 
 def method_inputs(args, spec: ShardSpec, config: ExportConfig) -> dict[str, tuple]:
@@ -128,8 +136,9 @@ def method_inputs(args, spec: ShardSpec, config: ExportConfig) -> dict[str, tupl
     }
 
 
-def shard_entry(model, spec: ShardSpec, placement: Placement, config: ExportConfig, staging: Path, lowered,
-                seconds: float) -> dict:
+def shard_entry(
+    model, spec: ShardSpec, placement: Placement, config: ExportConfig, staging: Path, lowered, seconds: float
+) -> dict:
     """Write one lowered shard and describe it for the manifest."""
     file_name = f"shard_{spec.index:02d}.pte"
     path = staging / file_name
@@ -138,7 +147,10 @@ def shard_entry(model, spec: ShardSpec, placement: Placement, config: ExportConf
     io = {}
     for method, n_tokens in methods.items():
         inputs, outputs = shard_io(model.args, spec, n_tokens, config.max_seq_len)
-        io[method] = {"inputs": manifest_schema.tensor_entries(inputs), "outputs": manifest_schema.tensor_entries(outputs)}
+        io[method] = {
+            "inputs": manifest_schema.tensor_entries(inputs),
+            "outputs": manifest_schema.tensor_entries(outputs),
+        }
     return {
         "index": spec.index,
         "file": file_name,
@@ -157,8 +169,9 @@ def shard_entry(model, spec: ShardSpec, placement: Placement, config: ExportConf
     }
 
 
-def calibrate_qnn_shards(loaded: LoadedModel, modules: list[ShardModule], jobs: dict, config: ExportConfig,
-                         tokenizer: Tokenizer | None) -> dict[int, dict[str, tuple]]:
+def calibrate_qnn_shards(
+    loaded: LoadedModel, modules: list[ShardModule], jobs: dict, config: ExportConfig, tokenizer: Tokenizer | None
+) -> dict[int, dict[str, tuple]]:
     """Feed every QNN shard's observers its real inputs (quantized precisions); return one held-out
     input per QNN shard and method for measuring SQNR. Shards sharing calibration options share
     one pass of the float chain."""
@@ -171,7 +184,9 @@ def calibrate_qnn_shards(loaded: LoadedModel, modules: list[ShardModule], jobs: 
     methods = {DECODE: 1, PREFILL: config.prefill_len}
     held_out = {}
     for key, group in groups.items():
-        consumers = {index: (job.observe if job.quantized else (lambda method, inputs: None)) for index, job in group.items()}
+        consumers = {
+            index: (job.observe if job.quantized else (lambda method, inputs: None)) for index, job in group.items()
+        }
         options = json.loads(key)
         if not any(job.quantized for job in group.values()):
             options["samples"] = 0  # fp16 shards need only the held-out input, to measure SQNR
@@ -196,8 +211,14 @@ def measure_sqnr(path: Path, module: ShardModule, held_out: dict[str, tuple], ou
     return result
 
 
-def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Placement], config: ExportConfig,
-              tokenizer: Tokenizer | None, staging: Path) -> tuple[list[dict], dict | None]:
+def lower_all(
+    loaded: LoadedModel,
+    specs: list[ShardSpec],
+    placements: list[Placement],
+    config: ExportConfig,
+    tokenizer: Tokenizer | None,
+    staging: Path,
+) -> tuple[list[dict], dict | None]:
     from composite.lowering import finish, lower_shard
 
     model = loaded.model
@@ -209,15 +230,18 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
 
         for spec, placement, module in zip(specs, placements, modules):
             if placement.backend == "qnn":
-                qnn_jobs[spec.index] = QnnShardLowering(module, method_inputs(model.args, spec, config), placement.options)
+                qnn_jobs[spec.index] = QnnShardLowering(
+                    module, method_inputs(model.args, spec, config), placement.options
+                )
         started = time.perf_counter()
         held_out = calibrate_qnn_shards(loaded, modules, qnn_jobs, config, tokenizer)
         if any(job.quantized for job in qnn_jobs.values()):
             calibration_seconds = time.perf_counter() - started
     entries: dict[int, dict] = {}
     pending_qnn = []  # QNN shards wait for the spill-fill size shared by all of them
-    for spec, placement, module in tqdm(list(zip(specs, placements, modules)), desc="lowering shards",
-                                        unit="shard", file=sys.stderr):
+    for spec, placement, module in tqdm(
+        list(zip(specs, placements, modules)), desc="lowering shards", unit="shard", file=sys.stderr
+    ):
         started = time.perf_counter()
         if placement.backend == "qnn":
             edge, notes = qnn_jobs.pop(spec.index).lower()  # drop the prepared graphs once lowered
@@ -225,7 +249,9 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
             continue
         edge, notes = lower_shard(module, method_inputs(model.args, spec, config), placement)
         lowered = finish(edge, notes)
-        entries[spec.index] = shard_entry(model, spec, placement, config, staging, lowered, time.perf_counter() - started)
+        entries[spec.index] = shard_entry(
+            model, spec, placement, config, staging, lowered, time.perf_counter() - started
+        )
     qnn_summary = None
     if pending_qnn:
         from composite import qnn_host
@@ -233,12 +259,17 @@ def lower_all(loaded: LoadedModel, specs: list[ShardSpec], placements: list[Plac
 
         spill_fill, own_spill_fill = qnn.share_spill_fill([edge for _, _, edge, _, _ in pending_qnn])
         host = qnn_host.prepare()
-        qnn_summary = {"build_id": host.build_id, "libraries": host.source, "spill_fill_bytes": spill_fill,
-                       "calibration_seconds": None if calibration_seconds is None else round(calibration_seconds, 2)}
+        qnn_summary = {
+            "build_id": host.build_id,
+            "libraries": host.source,
+            "spill_fill_bytes": spill_fill,
+            "calibration_seconds": None if calibration_seconds is None else round(calibration_seconds, 2),
+        }
         for (spec, placement, edge, notes, seconds), own in zip(pending_qnn, own_spill_fill):
             started = time.perf_counter()
-            entry = shard_entry(model, spec, placement, config, staging, finish(edge, notes),
-                                seconds + time.perf_counter() - started)
+            entry = shard_entry(
+                model, spec, placement, config, staging, finish(edge, notes), seconds + time.perf_counter() - started
+            )
             names = {m: [o["name"] for o in entry["io"][m]["outputs"]] for m in entry["io"]}
             entry["spill_fill_bytes"] = own
             entry["sqnr_db"] = measure_sqnr(staging / entry["file"], modules[spec.index], held_out[spec.index], names)
@@ -255,8 +286,10 @@ def check_against_runtime(staging: Path, shard: dict) -> None:
     names = {6: "float32", 4: "int64", 5: "float16", 3: "int32", 0: "uint8", 27: "uint16"}
     for method, io in shard["io"].items():
         meta = program.metadata(method)
-        for kind, count, get in (("inputs", meta.num_inputs(), meta.input_tensor_meta),
-                                 ("outputs", meta.num_outputs(), meta.output_tensor_meta)):
+        for kind, count, get in (
+            ("inputs", meta.num_inputs(), meta.input_tensor_meta),
+            ("outputs", meta.num_outputs(), meta.output_tensor_meta),
+        ):
             expected = io[kind]
             if count != len(expected):
                 raise RuntimeError(f"shard {shard['index']} {method}: {count} {kind}, manifest says {len(expected)}")
@@ -284,15 +317,20 @@ def versions() -> dict:
     }
 
 
-def build_manifest(loaded: LoadedModel, tokenizer: Tokenizer | None, config: ExportConfig, shards: list[dict],
-                   qnn_summary: dict | None) -> dict:
+def build_manifest(
+    loaded: LoadedModel, tokenizer: Tokenizer | None, config: ExportConfig, shards: list[dict], qnn_summary: dict | None
+) -> dict:
     args = loaded.model.args
     k_shape, v_shape = cache_shapes(args, config.max_seq_len)
     bos = loaded.bos_id if loaded.bos_id is not None else (tokenizer.bos_id if tokenizer else None)
     eos = list(loaded.eos_ids) or (list(tokenizer.eos_ids) if tokenizer else [])
     tokenizer_entry = None
     if tokenizer is not None:
-        tokenizer_entry = {"file": tokenizer.path.name, "type": tokenizer.kind, "sha256": manifest_schema.sha256_file(tokenizer.path)}
+        tokenizer_entry = {
+            "file": tokenizer.path.name,
+            "type": tokenizer.kind,
+            "sha256": manifest_schema.sha256_file(tokenizer.path),
+        }
     return {
         "format": manifest_schema.FORMAT,
         "version": manifest_schema.VERSION,
@@ -328,11 +366,28 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
     rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "SQNR dB")]
     for s in shards:
         first, end = s["layers"]
-        parts = (["emb"] if s["has_embedding"] else []) + ([f"L{first}" if end - first == 1 else f"L{first}-L{end - 1}"] if end > first else []) + (["head"] if s["has_head"] else [])
+        parts = (
+            (["emb"] if s["has_embedding"] else [])
+            + ([f"L{first}" if end - first == 1 else f"L{first}-L{end - 1}"] if end > first else [])
+            + (["head"] if s["has_head"] else [])
+        )
         backend = Placement(s["placement"]["backend"], s["placement"]["options"]).describe()
-        sqnr = "/".join(format_sqnr(next(iter(per_output.values()))) for per_output in s["sqnr_db"].values()) if "sqnr_db" in s else "-"
-        rows.append((str(s["index"]), " ".join(parts), backend, ",".join(s["backends"]) or "none",
-                     f"{s['size'] / 1e6:.2f} MB", f"{s['export_seconds']:.1f}", sqnr))
+        sqnr = (
+            "/".join(format_sqnr(next(iter(per_output.values()))) for per_output in s["sqnr_db"].values())
+            if "sqnr_db" in s
+            else "-"
+        )
+        rows.append(
+            (
+                str(s["index"]),
+                " ".join(parts),
+                backend,
+                ",".join(s["backends"]) or "none",
+                f"{s['size'] / 1e6:.2f} MB",
+                f"{s['export_seconds']:.1f}",
+                sqnr,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
@@ -341,11 +396,15 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
         for note in s["notes"]:
             print(f"note: shard {s['index']}: {note}")
     if qnn_summary is not None and qnn_summary.get("calibration_seconds") is not None:
-        print(f"calibration of the quantized QNN shards (one pass of the float model): "
-              f"{qnn_summary['calibration_seconds']:.1f} s, not in the seconds column")
+        print(
+            f"calibration of the quantized QNN shards (one pass of the float model): "
+            f"{qnn_summary['calibration_seconds']:.1f} s, not in the seconds column"
+        )
     if qnn_summary is not None:
-        print(f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
-              f"{qnn_summary['spill_fill_bytes']} bytes")
+        print(
+            f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
+            f"{qnn_summary['spill_fill_bytes']} bytes"
+        )
     print(f"{len(shards)} shards, {total / 1e6:.2f} MB, {total_seconds:.1f} s -> {output}")
 
 
@@ -385,7 +444,9 @@ def check_output(output: Path) -> None:
         raise UserError(f"--output {output} exists and is not a folder")
     if output.is_dir() and any(output.iterdir()):
         if not (output / manifest_schema.FILENAME).exists():
-            raise UserError(f"--output {output} is a non-empty folder that is not a composite export; refusing to replace it")
+            raise UserError(
+                f"--output {output} is a non-empty folder that is not a composite export; refusing to replace it"
+            )
         print(f"note: {output} holds an earlier export; it is replaced when this one is complete", file=sys.stderr)
 
 
@@ -442,7 +503,9 @@ def main(argv=None) -> None:
             run_export(config)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise UserError(f"out of disk space while writing the export ({e.filename or 'artifacts'}); nothing was replaced") from None
+            raise UserError(
+                f"out of disk space while writing the export ({e.filename or 'artifacts'}); nothing was replaced"
+            ) from None
         raise
 
 

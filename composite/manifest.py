@@ -54,8 +54,14 @@ FILENAME = "manifest.json"
 MASK_HIDDEN = -30000.0  # finite so fp16 backends represent it; exp() of it is 0 in fp32
 DECODE, PREFILL = "decode", "prefill"
 
-DTYPE_NAMES = {"torch.float32": "float32", "torch.int64": "int64", "torch.float16": "float16",
-               "torch.uint8": "uint8", "torch.uint16": "uint16", "torch.int32": "int32"}
+DTYPE_NAMES = {
+    "torch.float32": "float32",
+    "torch.int64": "int64",
+    "torch.float16": "float16",
+    "torch.uint8": "uint8",
+    "torch.uint16": "uint16",
+    "torch.int32": "int32",
+}
 
 
 def dtype_name(dtype) -> str:
@@ -147,7 +153,9 @@ def check_files(folder: Path, manifest: dict, verify_sha256: bool = False) -> No
                 "(truncated, or from another export)"
             )
         if verify_sha256 and sha256_file(path) != shard["sha256"]:
-            raise UserError(f"shard {shard['index']}: {path} does not match the manifest's sha256 (from another export?)")
+            raise UserError(
+                f"shard {shard['index']}: {path} does not match the manifest's sha256 (from another export?)"
+            )
     tokenizer = manifest.get("tokenizer")
     if tokenizer and not (folder / tokenizer["file"]).is_file():
         raise UserError(f"tokenizer {folder / tokenizer['file']} named by the manifest is missing")

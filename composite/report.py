@@ -59,7 +59,12 @@ def read_stats(path: Path, label: str | None = None) -> RunTimes:
         raise UserError(f"{path}: 'shard_backends' is missing; write it with this version of composite_runner")
     n = len(backends)
     layers = stats.get("shard_layers") or [""] * n
-    for key in ("kv_write_ms_per_token", "prefill_kv_write_ms_per_token", "decode_tokens_per_s", "prefill_tokens_per_s"):
+    for key in (
+        "kv_write_ms_per_token",
+        "prefill_kv_write_ms_per_token",
+        "decode_tokens_per_s",
+        "prefill_tokens_per_s",
+    ):
         if not isinstance(stats.get(key), (int, float)):
             raise UserError(f"{path}: '{key}' must be a number")
     return RunTimes(
@@ -126,10 +131,21 @@ def render(runs: list[RunTimes], png: Path, title: str = "") -> dict:
         ax.set_xlabel(f"{phase}: ms per token (segments: shards in order, then the KV-cache update)")
     present = [b for b in BACKEND_COLOURS if any(b in run.backends for run in runs)]
     simulated = any(run.qnn_simulated and "QnnBackend" in run.backends for run in runs)
-    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=BACKEND_COLOURS[b], edgecolor="white",
-                             hatch=SIMULATED_HATCH if b == "QnnBackend" and simulated else None) for b in present]
-    names = [BACKEND_NAMES[b] + (" (x86 simulator: not phone timing)" if b == "QnnBackend" and simulated else "")
-             for b in present]
+    handles = [
+        plt.Rectangle(
+            (0, 0),
+            1,
+            1,
+            facecolor=BACKEND_COLOURS[b],
+            edgecolor="white",
+            hatch=SIMULATED_HATCH if b == "QnnBackend" and simulated else None,
+        )
+        for b in present
+    ]
+    names = [
+        BACKEND_NAMES[b] + (" (x86 simulator: not phone timing)" if b == "QnnBackend" and simulated else "")
+        for b in present
+    ]
     handles.append(plt.Rectangle((0, 0), 1, 1, color=KV_COLOUR))
     names.append("KV update")
     fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8, frameon=False)

@@ -18,17 +18,26 @@ from composite.runtime.sampler import Sampler, fresh_seed  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m composite.run", description=__doc__.split(":", 1)[1].strip(),
-                                epilog="Flags may also be spelled with underscores, as composite_runner's "
-                                       "(--max_new_tokens); both runners share these defaults.")
+    p = argparse.ArgumentParser(
+        prog="python -m composite.run",
+        description=__doc__.split(":", 1)[1].strip(),
+        epilog="Flags may also be spelled with underscores, as composite_runner's "
+        "(--max_new_tokens); both runners share these defaults.",
+    )
     p.add_argument("--artifacts", required=True, help="export folder (holds manifest.json)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (BOS added per the manifest)")
     prompt.add_argument("--prompt-ids", "--prompt_ids", help="prompt token ids, comma separated, used as given")
-    p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help=f"stop after this many new tokens (default {DEFAULT_MAX_NEW_TOKENS})")
-    p.add_argument("--seq-len", "--seq_len", type=int,
-                   help="tokens in all, prompt included (default: the export's max_seq_len)")
+    p.add_argument(
+        "--max-new-tokens",
+        "--max_new_tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"stop after this many new tokens (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    p.add_argument(
+        "--seq-len", "--seq_len", type=int, help="tokens in all, prompt included (default: the export's max_seq_len)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", "--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     p.add_argument("--seed", type=int, help="sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)")
@@ -69,7 +78,7 @@ def load_tokenizer(folder: Path, manifest: dict):
 def continuation(tokenizer, context: list[int], tokens: list[int]) -> str:
     """The text `tokens` add after `context` (the prompt's last token): decoded alone, a
     SentencePiece piece would lose the space it starts with."""
-    return tokenizer.decode(context + tokens)[len(tokenizer.decode(context)):]
+    return tokenizer.decode(context + tokens)[len(tokenizer.decode(context)) :]
 
 
 class TextStream:
@@ -89,7 +98,7 @@ class TextStream:
         self._write(continuation(self.tokenizer, self.context, self.tokens))
 
     def _write(self, text: str) -> None:
-        sys.stdout.write(text[len(self.printed):])
+        sys.stdout.write(text[len(self.printed) :])
         sys.stdout.flush()
         self.printed = text
 
@@ -127,8 +136,16 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
     if args.reference:
         from composite.runtime.reference import generate_reference, reference_model
 
-        generation = generate_reference(reference_model(manifest), prompt, args.max_new_tokens,
-                                        manifest["max_seq_len"], sampler, eos, on_token=stream, seq_len=args.seq_len)
+        generation = generate_reference(
+            reference_model(manifest),
+            prompt,
+            args.max_new_tokens,
+            manifest["max_seq_len"],
+            sampler,
+            eos,
+            on_token=stream,
+            seq_len=args.seq_len,
+        )
     else:
         from composite.runtime.chain import ShardChain
         from composite.runtime.generate import generate
@@ -146,8 +163,12 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
         "stop_reason": generation.stop_reason,
         "load_ms": round(load_seconds * 1000, 2),
         "time_to_first_token_ms": round(generation.first_token_seconds * 1000, 2),
-        "prefill_tokens_per_s": round(len(prompt) / generation.prefill_seconds, 2) if generation.prefill_seconds else None,
-        "decode_tokens_per_s": round(n_decode / generation.decode_seconds, 2) if n_decode and generation.decode_seconds else None,
+        "prefill_tokens_per_s": round(len(prompt) / generation.prefill_seconds, 2)
+        if generation.prefill_seconds
+        else None,
+        "decode_tokens_per_s": round(n_decode / generation.decode_seconds, 2)
+        if n_decode and generation.decode_seconds
+        else None,
         "shard_ms_per_call": [round(s * 1000 / calls, 3) for s in shard_seconds] if shard_seconds else None,
         "runner": "reference" if args.reference else "composite.run",
         "seed": seed,

@@ -35,7 +35,8 @@ int configure_cpu_backend(int threads) {
   }
   auto* pool = executorch::extension::threadpool::get_threadpool();
   if (pool == nullptr) throw RunnerError("ExecuTorch's threadpool is unavailable");
-  const uint32_t wanted = threads > 0 ? static_cast<uint32_t>(threads) : executorch::extension::cpuinfo::get_num_performant_cores();
+  const uint32_t wanted =
+      threads > 0 ? static_cast<uint32_t>(threads) : executorch::extension::cpuinfo::get_num_performant_cores();
   if (wanted > 0 && wanted != pool->get_thread_count() && !pool->_unsafe_reset_threadpool(wanted)) {
     throw RunnerError("cannot resize the threadpool to " + std::to_string(wanted) + " threads");
   }

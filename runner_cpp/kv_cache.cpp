@@ -32,7 +32,9 @@ void KVCache::clear() {
 }
 
 AttentionMask::AttentionMask(int width, int max_seq_len, float hidden)
-    : width_(width), max_seq_len_(max_seq_len), hidden_(hidden),
+    : width_(width),
+      max_seq_len_(max_seq_len),
+      hidden_(hidden),
       values_(static_cast<size_t>(width) * (max_seq_len + width), hidden) {
   const int row_len = max_seq_len + width;
   for (int r = 0; r < width; ++r) {

@@ -163,8 +163,10 @@ Options parse_options(int argc, char** argv) {
   if (values.count("--prompt_file")) o.prompt_file = values["--prompt_file"];
   if (values.count("--prompt_ids")) o.prompt_ids = values["--prompt_ids"];
   if (values.count("--seq_len")) o.seq_len = static_cast<int>(parse_number("--seq_len", values["--seq_len"], 1, 1e9));
-  if (values.count("--max_new_tokens")) o.max_new_tokens = static_cast<int>(parse_number("--max_new_tokens", values["--max_new_tokens"], 1, 1e9));
-  if (values.count("--temperature")) o.temperature = static_cast<float>(parse_number("--temperature", values["--temperature"], 0, 100));
+  if (values.count("--max_new_tokens"))
+    o.max_new_tokens = static_cast<int>(parse_number("--max_new_tokens", values["--max_new_tokens"], 1, 1e9));
+  if (values.count("--temperature"))
+    o.temperature = static_cast<float>(parse_number("--temperature", values["--temperature"], 0, 100));
   if (values.count("--top_p")) o.top_p = static_cast<float>(parse_number("--top_p", values["--top_p"], 0, 1, true));
   if (values.count("--seed")) o.seed = parse_seed(values["--seed"]), o.seed_given = true;
   if (values.count("--stats_json")) o.stats_json = values["--stats_json"];
@@ -185,9 +187,11 @@ std::vector<int64_t> prompt_tokens(const Options& o, const Manifest& m, const To
     while (std::getline(in, item, ',')) {
       char* end = nullptr;
       const long long id = std::strtoll(item.c_str(), &end, 10);
-      if (item.empty() || *end != '\0') throw RunnerError("--prompt_ids must be comma-separated integers, got '" + item + "'");
+      if (item.empty() || *end != '\0')
+        throw RunnerError("--prompt_ids must be comma-separated integers, got '" + item + "'");
       if (id < 0 || id >= m.vocab_size) {
-        throw RunnerError("--prompt_ids holds " + item + ", outside the vocabulary 0.." + std::to_string(m.vocab_size - 1));
+        throw RunnerError("--prompt_ids holds " + item + ", outside the vocabulary 0.." +
+                          std::to_string(m.vocab_size - 1));
       }
       ids.push_back(id);
     }
@@ -236,16 +240,19 @@ int run(int argc, char** argv) {
   if (!manifest.qnn_build_id.empty() && !o.verbose) quiet_qnn.emplace();
   check_files(manifest, o.verify);
   std::unique_ptr<Tokenizer> tokenizer;
-  if (!manifest.tokenizer_file.empty()) tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
+  if (!manifest.tokenizer_file.empty())
+    tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
   const std::vector<int64_t> prompt = prompt_tokens(o, manifest, tokenizer.get());
   const int max_seq_len = manifest.max_seq_len;
   if (o.seq_len > max_seq_len) {
-    throw RunnerError("--seq_len " + std::to_string(o.seq_len) + " is beyond this export's max_seq_len " + std::to_string(max_seq_len));
+    throw RunnerError("--seq_len " + std::to_string(o.seq_len) + " is beyond this export's max_seq_len " +
+                      std::to_string(max_seq_len));
   }
   const int seq_len = o.seq_len ? o.seq_len : max_seq_len;
   if (static_cast<int>(prompt.size()) >= seq_len) {
     throw RunnerError("the prompt has " + std::to_string(prompt.size()) + " tokens but the sequence limit is " +
-                      std::to_string(seq_len) + " (max_seq_len " + std::to_string(max_seq_len) + "): nothing left to generate");
+                      std::to_string(seq_len) + " (max_seq_len " + std::to_string(max_seq_len) +
+                      "): nothing left to generate");
   }
   if (!manifest.qnn_build_id.empty()) {
     const std::string runtime_build_id = qnn_runtime_build_id();
@@ -348,12 +355,16 @@ int run(int argc, char** argv) {
   std::vector<std::string> layers;
   for (const auto& s : manifest.shards) {
     std::string label = s.has_embedding ? "emb" : "";
-    if (s.has_layers()) label += (label.empty() ? "" : "+") + ("L" + std::to_string(s.layer_first) + "-L" + std::to_string(s.layer_end - 1));
+    if (s.has_layers())
+      label +=
+          (label.empty() ? "" : "+") + ("L" + std::to_string(s.layer_first) + "-L" + std::to_string(s.layer_end - 1));
     if (s.has_head) label += (label.empty() ? "" : "+") + std::string("head");
     layers.push_back(label);
   }
   stats["shard_layers"] = layers;
-  std::fprintf(stderr, "prompt %zu tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode %.1f tok/s, peak RSS %.0f MB\n",
+  std::fprintf(stderr,
+               "prompt %zu tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode "
+               "%.1f tok/s, peak RSS %.0f MB\n",
                prompt.size(), generated.size(), stop_reason.c_str(), load_seconds * 1e3, prefill_seconds * 1e3,
                stats["prefill_tokens_per_s"].get<double>(), stats["decode_tokens_per_s"].get<double>(), peak_rss_mb());
   if (!o.stats_json.empty()) {

@@ -7,7 +7,8 @@
 
 namespace composite {
 
-Sampler::Sampler(float temperature, float top_p, uint64_t seed) : temperature_(temperature), top_p_(top_p), rng_(seed) {}
+Sampler::Sampler(float temperature, float top_p, uint64_t seed)
+    : temperature_(temperature), top_p_(top_p), rng_(seed) {}
 
 double Sampler::uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
@@ -23,7 +24,8 @@ int64_t Sampler::sample(const float* logits, int vocab) {
   std::iota(order.begin(), order.end(), 0);
   int kept = vocab;
   if (top_p_ < 1.f) {
-    std::sort(order.begin(), order.end(), [&](int a, int b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
     // The smallest prefix whose mass reaches top_p, never empty.
     double mass = 0;
     kept = 0;

@@ -18,13 +18,20 @@ namespace {
 
 const char* dtype_name(ScalarType type) {
   switch (type) {
-    case ScalarType::Float: return "float32";
-    case ScalarType::Long: return "int64";
-    case ScalarType::Half: return "float16";
-    case ScalarType::Int: return "int32";
-    case ScalarType::Byte: return "uint8";
-    case ScalarType::UInt16: return "uint16";
-    default: return "other";
+    case ScalarType::Float:
+      return "float32";
+    case ScalarType::Long:
+      return "int64";
+    case ScalarType::Half:
+      return "float16";
+    case ScalarType::Int:
+      return "int32";
+    case ScalarType::Byte:
+      return "uint8";
+    case ScalarType::UInt16:
+      return "uint16";
+    default:
+      return "other";
   }
 }
 
@@ -124,11 +131,13 @@ void ShardChain::check_method(const ShardInfo& shard, const std::string& method)
   }
   if (s.has_head && manifest_.methods.at(method) > 1) names.push_back("logits_index");
   if (names.size() != io.inputs.size()) {
-    throw RunnerError(where + " has " + std::to_string(io.inputs.size()) + " inputs, this runner feeds " + std::to_string(names.size()));
+    throw RunnerError(where + " has " + std::to_string(io.inputs.size()) + " inputs, this runner feeds " +
+                      std::to_string(names.size()));
   }
   for (size_t i = 0; i < names.size(); ++i) {
     if (io.inputs[i].name != names[i]) {
-      throw RunnerError(where + ": input " + std::to_string(i) + " is '" + io.inputs[i].name + "', expected '" + names[i] + "'");
+      throw RunnerError(where + ": input " + std::to_string(i) + " is '" + io.inputs[i].name + "', expected '" +
+                        names[i] + "'");
     }
   }
 }
@@ -136,7 +145,8 @@ void ShardChain::check_method(const ShardInfo& shard, const std::string& method)
 const float* ShardChain::forward(const std::string& method, const std::vector<int64_t>& tokens, int pos) {
   MethodBuffers& b = buffers_.at(method);
   const int count = static_cast<int>(tokens.size());
-  if (count < 1 || count > b.width) throw RunnerError("internal: " + method + " called with " + std::to_string(count) + " tokens");
+  if (count < 1 || count > b.width)
+    throw RunnerError("internal: " + method + " called with " + std::to_string(count) + " tokens");
   if (pos + count > manifest_.max_seq_len) throw RunnerError("position beyond max_seq_len");
   for (int i = 0; i < b.width; ++i) {
     b.tokens[i] = i < count ? tokens[i] : 0;
@@ -168,8 +178,8 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
     const auto write_start = std::chrono::steady_clock::now();
     for (int l = shard.layer_first; l < shard.layer_end; ++l) {
       const size_t at = 1 + 2 * (l - shard.layer_first);
-      cache_.write(l, (*outputs)[at].toTensor().const_data_ptr<float>(), (*outputs)[at + 1].toTensor().const_data_ptr<float>(),
-                   b.width, pos, count);
+      cache_.write(l, (*outputs)[at].toTensor().const_data_ptr<float>(),
+                   (*outputs)[at + 1].toTensor().const_data_ptr<float>(), b.width, pos, count);
     }
     kv_write_seconds_ += seconds_since(write_start);
     hidden = (*outputs)[0];

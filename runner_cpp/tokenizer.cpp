@@ -121,7 +121,8 @@ class TiktokenTokenizer : public Tokenizer {
         rank = std::strtol(line.c_str() + space + 1, &end, 10);
         ok = end != line.c_str() + space + 1 && *end == '\0' && rank >= 0 && rank < INT_MAX - kLlama3SpecialTokens;
       }
-      if (!ok) throw RunnerError("tokenizer " + path + " line " + std::to_string(line_number) + " is not '<base64> <rank>'");
+      if (!ok)
+        throw RunnerError("tokenizer " + path + " line " + std::to_string(line_number) + " is not '<base64> <rank>'");
       encoder_[bytes] = static_cast<int>(rank);
       max_rank = std::max(max_rank, rank);
     }
@@ -154,7 +155,8 @@ class TiktokenTokenizer : public Tokenizer {
     PCRE2_SIZE offset = 0;
     while (offset < text.size()) {
       // The first match validates the whole text as UTF-8; later ones need not repeat it.
-      const int rc = pcre2_match(regex_, subject, text.size(), offset, offset == 0 ? 0 : PCRE2_NO_UTF_CHECK, match_, nullptr);
+      const int rc =
+          pcre2_match(regex_, subject, text.size(), offset, offset == 0 ? 0 : PCRE2_NO_UTF_CHECK, match_, nullptr);
       if (rc <= PCRE2_ERROR_UTF8_ERR1 && rc >= PCRE2_ERROR_UTF8_ERR21) {
         throw RunnerError("the prompt is not valid UTF-8");
       }
@@ -252,7 +254,8 @@ std::string Utf8Stream::push(const std::string& bytes) {
     if (i + length > pending_.size()) {
       // Incomplete: keep it if every byte so far is a continuation byte, else it is broken.
       bool continuing = true;
-      for (size_t j = i + 1; j < pending_.size(); ++j) continuing &= (static_cast<unsigned char>(pending_[j]) & 0xC0) == 0x80;
+      for (size_t j = i + 1; j < pending_.size(); ++j)
+        continuing &= (static_cast<unsigned char>(pending_[j]) & 0xC0) == 0x80;
       if (continuing) break;
       out += kReplacement;
       ++i;

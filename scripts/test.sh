@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Install test dependencies and the QNN host libraries; build composite_runner, its unit tests and
+# Install test dependencies and the QNN host libraries; check lint and format; build composite_runner, its unit tests and
 # the aarch64 runner; run ctest, the sanitizer build and the fuzzers; then pytest (which also runs
 # composite_runner end to end, QNN shards and the emulated aarch64 runner included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet -e '.[test]'
+bash scripts/lint.sh                  # ruff + clang-format over the whole tree
 python3 -m composite.qnn_host install
 bash scripts/build_runner.sh build
 bash scripts/build_arm64.sh build-arm64   # cross-built runner, run under qemu by tests/test_arm64.py

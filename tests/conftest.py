@@ -29,8 +29,16 @@ MAX_SEQ_LEN = 96
 # Llama 3 style: grouped-query attention, rope_theta 500000 with Llama 3 scaling, tied embeddings,
 # 5 layers (not divisible by 2, 3 or 6).
 LLAMA3_PARAMS = {
-    "dim": 64, "n_layers": 5, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "multiple_of": 32,
-    "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": True,
+    "dim": 64,
+    "n_layers": 5,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "vocab_size": 300,
+    "multiple_of": 32,
+    "ffn_dim_multiplier": 1.3,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "use_scaled_rope": True,
 }
 
 

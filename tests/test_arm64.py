@@ -27,9 +27,15 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def arm64_ready():
-    missing = [what for what, ok in (("scripts/build_arm64.sh has not built build-arm64/composite_runner", ARM_RUNNER.exists()),
-                                     ("qemu-aarch64-static is not installed", QEMU is not None),
-                                     ("build/composite_runner is not built", X86_RUNNER.exists())) if not ok]
+    missing = [
+        what
+        for what, ok in (
+            ("scripts/build_arm64.sh has not built build-arm64/composite_runner", ARM_RUNNER.exists()),
+            ("qemu-aarch64-static is not installed", QEMU is not None),
+            ("build/composite_runner is not built", X86_RUNNER.exists()),
+        )
+        if not ok
+    ]
     if missing:
         if os.environ.get("COMPOSITE_REQUIRE_ARM64") == "1":
             pytest.fail("; ".join(missing))
@@ -37,8 +43,22 @@ def arm64_ready():
 
 
 def tokens(command: list[str], folder: Path, stats: Path) -> tuple[list[int], float]:
-    result = subprocess.run([*command, "--artifacts", str(folder), "--prompt", PROMPT, "--max_new_tokens",
-                             str(NEW_TOKENS), "--stats_json", str(stats)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            *command,
+            "--artifacts",
+            str(folder),
+            "--prompt",
+            PROMPT,
+            "--max_new_tokens",
+            str(NEW_TOKENS),
+            "--stats_json",
+            str(stats),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(stats.read_text())
     return data["tokens"], data["decode_tokens_per_s"]
@@ -46,8 +66,11 @@ def tokens(command: list[str], folder: Path, stats: Path) -> tuple[list[int], fl
 
 @pytest.mark.parametrize("quantize", ["none", "8da4w"])
 def test_arm64_runner_generates_the_x86_tokens(arm64_ready, workdir, default_exports, quantize, tmp_path):
-    folder = default_exports[3] if quantize == "none" else export(
-        workdir / "default_3_8da4w", shards=3, xnnpack={"quantize": "8da4w", "group_size": 32})
+    folder = (
+        default_exports[3]
+        if quantize == "none"
+        else export(workdir / "default_3_8da4w", shards=3, xnnpack={"quantize": "8da4w", "group_size": 32})
+    )
     # -L /: Debian's arm64 multiarch libraries are the guest's root (see scripts/build_arm64.sh).
     arm, arm_speed = tokens([QEMU, "-L", "/", str(ARM_RUNNER)], folder, tmp_path / "arm.json")
     x86, x86_speed = tokens([str(X86_RUNNER)], folder, tmp_path / "x86.json")
@@ -58,8 +81,16 @@ def test_arm64_runner_generates_the_x86_tokens(arm64_ready, workdir, default_exp
 
 # What an aarch64 Linux device has without us: the loader and the C/C++ runtime (libc6:arm64,
 # libstdc++6:arm64 from Debian's multiarch packages).
-C_RUNTIME = ("ld-linux-aarch64.so.1", "libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
-             "libstdc++.so.6", "libgcc_s.so.1")
+C_RUNTIME = (
+    "ld-linux-aarch64.so.1",
+    "libc.so.6",
+    "libm.so.6",
+    "libdl.so.2",
+    "libpthread.so.0",
+    "librt.so.1",
+    "libstdc++.so.6",
+    "libgcc_s.so.1",
+)
 
 
 def c_runtime_root(root: Path) -> Path:
@@ -77,19 +108,50 @@ def test_pushed_bundle_starts_with_only_the_c_runtime(arm64_ready, default_expor
     must come from the push, and the tokens must be the x86 runner's."""
     folder = default_exports[3]
     device = tmp_path / "device"
-    push = run_cli("composite.deploy", "push", "--artifacts", str(folder), "--transport", "local",
-                   "--local-root", str(device), "--runner", str(ARM_RUNNER))
+    push = run_cli(
+        "composite.deploy",
+        "push",
+        "--artifacts",
+        str(folder),
+        "--transport",
+        "local",
+        "--local-root",
+        str(device),
+        "--runner",
+        str(ARM_RUNNER),
+    )
     assert push.returncode == 0, push.stderr
     pushed = device / "data/local/tmp/composite"
-    assert {"libexecutorch.so", "libexecutorch_backend_xnnpack.so", "libsentencepiece.so.0"} <= {p.name for p in pushed.iterdir()}
+    assert {"libexecutorch.so", "libexecutorch_backend_xnnpack.so", "libsentencepiece.so.0"} <= {
+        p.name for p in pushed.iterdir()
+    }
     root = c_runtime_root(tmp_path / "root")
     stats = tmp_path / "arm.json"
     env = {"LD_LIBRARY_PATH": str(pushed), "LD_DEBUG": "libs", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([QEMU, "-L", str(root), str(pushed / "composite_runner"), "--artifacts", str(pushed),
-                             "--prompt", PROMPT, "--max_new_tokens", str(NEW_TOKENS), "--stats_json", str(stats)],
-                            capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [
+            QEMU,
+            "-L",
+            str(root),
+            str(pushed / "composite_runner"),
+            "--artifacts",
+            str(pushed),
+            "--prompt",
+            PROMPT,
+            "--max_new_tokens",
+            str(NEW_TOKENS),
+            "--stats_json",
+            str(stats),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    loaded = [line.split("calling init: ", 1)[1].strip() for line in result.stderr.splitlines() if "calling init: " in line]
+    loaded = [
+        line.split("calling init: ", 1)[1].strip() for line in result.stderr.splitlines() if "calling init: " in line
+    ]
     assert any(path.endswith("/libexecutorch.so") for path in loaded)
     strays = [path for path in loaded if not path.startswith(str(pushed) + "/") and Path(path).name not in C_RUNTIME]
     assert not strays, f"loaded from outside the pushed folder: {strays}"
@@ -103,10 +165,20 @@ def test_device_build_refuses_an_executorch_without_a_required_backend(arm64_rea
     wheel = next((REPO / "build-arm64").glob("executorch-*-aarch64/executorch/share/cmake"))
     build = tmp_path / "build"
     result = subprocess.run(
-        ["bash", "-c", 'source scripts/device_build.sh && device_build "$0" "xnnpack;qnn" "$@"', str(build),
-         "-DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake", f"-Dexecutorch_DIR={wheel}",
-         f"-DCOMPOSITE_ARM64_SYSROOT={REPO / 'build-arm64' / 'sysroot'}"],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
+        [
+            "bash",
+            "-c",
+            'source scripts/device_build.sh && device_build "$0" "xnnpack;qnn" "$@"',
+            str(build),
+            "-DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake",
+            f"-Dexecutorch_DIR={wheel}",
+            f"-DCOMPOSITE_ARM64_SYSROOT={REPO / 'build-arm64' / 'sysroot'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr

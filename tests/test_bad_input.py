@@ -76,8 +76,6 @@ def test_placement_for_missing_shard(tmp_path):
     assert_clean_failure(result, "shard 5", output=out)
 
 
-
-
 def test_tokenizer_larger_than_vocabulary(tmp_path, default_tokenizer):
     ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)  # vocabulary 300
     result, out = export(tmp_path, "--checkpoint", str(ckpt), "--tokenizer", str(default_tokenizer))
@@ -121,7 +119,7 @@ def test_export_summary_and_manifest(default_exports):
     first = manifest["shards"][0]["io"]["decode"]
     assert [t["name"] for t in first["inputs"]] == ["tokens", "input_pos", "mask", "k_cache.0", "v_cache.0"]
     assert first["inputs"][3]["shape"] == manifest["kv_cache"]["k_shape"]
-    assert [t["name"] for t in manifest["shards"][-1]["io"]["prefill"]["outputs"]][0] == "logits"
+    assert manifest["shards"][-1]["io"]["prefill"]["outputs"][0]["name"] == "logits"
     for shard in manifest["shards"]:
         assert shard["delegates"]["decode"]["XnnpackBackend"] >= 1
 
@@ -133,8 +131,12 @@ def small_disk(tmp_path):
 
     mount_point = tmp_path / "small_disk"
     mount_point.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
     yield mount_point
     subprocess.run(["umount", str(mount_point)], check=True)
@@ -145,8 +147,9 @@ def test_out_of_disk_space_keeps_the_previous_export(small_disk):
     previous.mkdir()
     manifest = json.dumps({"format": "composite-manifest", "note": "an earlier export"})
     (previous / "manifest.json").write_text(manifest)
-    result = run_cli("composite.export", "--output", str(previous), "--shards", "2", "--max-seq-len", "32",
-                     "--prefill-len", "4")
+    result = run_cli(
+        "composite.export", "--output", str(previous), "--shards", "2", "--max-seq-len", "32", "--prefill-len", "4"
+    )
     assert_clean_failure(result, "out of disk space")
     assert sorted(p.name for p in small_disk.iterdir()) == ["out"]  # no staging folder left behind
     assert [p.name for p in previous.iterdir()] == ["manifest.json"]

@@ -16,8 +16,20 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_tiny_benchmark_runs_ours_and_the_peer(tmp_path):
     out = tmp_path / "out"
-    done = bench("--dims", "tiny", "--shards", "1,2", "--quant", "fp32", "--repeats", "1",
-                 "--work", str(tmp_path / "work"), "--output", str(out))
+    done = bench(
+        "--dims",
+        "tiny",
+        "--shards",
+        "1,2",
+        "--quant",
+        "fp32",
+        "--repeats",
+        "1",
+        "--work",
+        str(tmp_path / "work"),
+        "--output",
+        str(out),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((out / "bench.json").read_text())
     assert set(result["summary"]) == {"peer fp32", "ours 1 fp32", "ours 2 fp32"}

@@ -25,8 +25,9 @@ def compare(folder):
     prompt = prompt_ids(manifest["model"]["vocab_size"])
     chain = ShardChain(folder)
     ours = generate(chain, prompt, DECODE_STEPS + 1, Sampler(), keep_logits=True)
-    ref = generate_reference(reference_model(manifest), prompt, DECODE_STEPS + 1, manifest["max_seq_len"],
-                             Sampler(), keep_logits=True)
+    ref = generate_reference(
+        reference_model(manifest), prompt, DECODE_STEPS + 1, manifest["max_seq_len"], Sampler(), keep_logits=True
+    )
     assert len(ref.logits) == PROMPT_LEN + DECODE_STEPS
     chunk_ends = {min(end, PROMPT_LEN) - 1 for end in range(PREFILL_LEN, PROMPT_LEN + PREFILL_LEN, PREFILL_LEN)}
     assert set(ours.logits) == chunk_ends | set(range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import subprocess
@@ -47,7 +48,9 @@ def six(default_exports) -> Path:
 
 def runner_tokens(folder: Path, tmp_path: Path, *prompt_args: str) -> list[int]:
     stats = tmp_path / "stats.json"
-    result = run_runner("--artifacts", str(folder), *prompt_args, "--max_new_tokens", str(NEW_TOKENS), "--stats_json", str(stats))
+    result = run_runner(
+        "--artifacts", str(folder), *prompt_args, "--max_new_tokens", str(NEW_TOKENS), "--stats_json", str(stats)
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(stats.read_text())
     assert len(data["shard_ms_per_token"]) == len(read(folder)["shards"])
@@ -63,8 +66,17 @@ def test_greedy_tokens_match_python_and_eager(six, tmp_path, style):
     ids = tokenizer.encode(text)
     args = ("--prompt", text) if style == "prompt" else ("--prompt_ids", ",".join(map(str, ids)))
     ours = runner_tokens(six, tmp_path, *args)
-    python = run_cli("composite.run", "--artifacts", str(six), "--" + style.replace("_", "-"), args[1],
-                     "--max-new-tokens", str(NEW_TOKENS), "--json", check=True)
+    python = run_cli(
+        "composite.run",
+        "--artifacts",
+        str(six),
+        "--" + style.replace("_", "-"),
+        args[1],
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--json",
+        check=True,
+    )
     assert ours == json.loads(python.stdout)["tokens"]
     eager = generate_reference(reference_model(manifest), ids, NEW_TOKENS, manifest["max_seq_len"], Sampler())
     assert ours == eager.tokens
@@ -74,8 +86,22 @@ def test_greedy_tokens_match_python_and_eager(six, tmp_path, style):
 def test_sampling_is_seeded(six, tmp_path):
     def sample(seed):
         stats = tmp_path / f"s{seed}.json"
-        result = run_runner("--artifacts", str(six), "--prompt", "Mia ran", "--max_new_tokens", "16",
-                            "--temperature", "0.9", "--top_p", "0.9", "--seed", str(seed), "--stats_json", str(stats))
+        result = run_runner(
+            "--artifacts",
+            str(six),
+            "--prompt",
+            "Mia ran",
+            "--max_new_tokens",
+            "16",
+            "--temperature",
+            "0.9",
+            "--top_p",
+            "0.9",
+            "--seed",
+            str(seed),
+            "--stats_json",
+            str(stats),
+        )
         assert result.returncode == 0, result.stderr
         return json.loads(stats.read_text())["tokens"]
 
@@ -91,7 +117,7 @@ def tiktoken_ranks(path: Path) -> None:
     for _ in range(200):
         pairs = Counter()
         for word, n in pieces.items():
-            for a, b in zip(word, word[1:]):
+            for a, b in itertools.pairwise(word):
                 pairs[a, b] += n
         if not pairs:
             break
@@ -147,7 +173,9 @@ def copy_export(folder: Path, target: Path) -> Path:
 
 def test_bad_input(six, default_exports, tmp_path):
     assert "does not exist" in one_error_line(run_runner("--artifacts", str(tmp_path / "nope"), "--prompt", "hi"))
-    assert "unknown flag '--frobnicate'" in one_error_line(run_runner("--artifacts", str(six), "--frobnicate", "1", "--prompt", "x"))
+    assert "unknown flag '--frobnicate'" in one_error_line(
+        run_runner("--artifacts", str(six), "--frobnicate", "1", "--prompt", "x")
+    )
     assert "max_seq_len" in one_error_line(run_runner("--artifacts", str(six), "--prompt", "word " * 300))
     assert "beyond" in one_error_line(run_runner("--artifacts", str(six), "--prompt", "hi", "--seq_len", "100000"))
     assert "empty" in one_error_line(run_runner("--artifacts", str(six), "--prompt", ""))
@@ -195,13 +223,29 @@ def test_seq_len_counts_every_token_in_both_runners(default_exports, tmp_path, s
     folder = default_exports[3]
     prompt = [1, 450, 298, 17, 99, 3]
     stats = tmp_path / "stats.json"
-    cpp = run_runner("--artifacts", str(folder), "--prompt_ids", ",".join(map(str, prompt)), "--seq_len", str(seq_len),
-                     "--stats_json", str(stats))
+    cpp = run_runner(
+        "--artifacts",
+        str(folder),
+        "--prompt_ids",
+        ",".join(map(str, prompt)),
+        "--seq_len",
+        str(seq_len),
+        "--stats_json",
+        str(stats),
+    )
     assert cpp.returncode == 0, cpp.stderr
     data = json.loads(stats.read_text())
     assert len(prompt) + len(data["tokens"]) == seq_len and data["stop_reason"] == "seq_len"
-    python = run_cli("composite.run", "--artifacts", str(folder), "--prompt-ids", ",".join(map(str, prompt)),
-                     "--seq-len", str(seq_len), "--json")
+    python = run_cli(
+        "composite.run",
+        "--artifacts",
+        str(folder),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--seq-len",
+        str(seq_len),
+        "--json",
+    )
     assert python.returncode == 0, python.stderr
     assert json.loads(python.stdout)["tokens"] == data["tokens"]
 
@@ -232,13 +276,31 @@ def test_portable_shard_generates_the_eager_tokens_in_both_runners(workdir, tmp_
     assert manifest["shards"][1]["backends"] == [] and manifest["shards"][1]["cpu_ops"]["decode"]
     ids = Tokenizer(folder / "tokenizer.model").encode("The robot climbed the stairs and")
     stats = tmp_path / "stats.json"
-    cpp = run_runner("--artifacts", str(folder), "--prompt_ids", ",".join(map(str, ids)), "--max_new_tokens", "24",
-                     "--stats_json", str(stats))
+    cpp = run_runner(
+        "--artifacts",
+        str(folder),
+        "--prompt_ids",
+        ",".join(map(str, ids)),
+        "--max_new_tokens",
+        "24",
+        "--stats_json",
+        str(stats),
+    )
     assert cpp.returncode == 0, cpp.stderr
     data = json.loads(stats.read_text())
     assert data["shard_backends"][1] == "portable"
-    python = run_cli("composite.run", "--artifacts", str(folder), "--prompt-ids", ",".join(map(str, ids)),
-                     "--max-new-tokens", "24", "--json", check=True)
-    eager = generate_reference(reference_model(manifest), ids, 24, manifest["max_seq_len"], Sampler(),
-                               tuple(manifest["eos_ids"]))
+    python = run_cli(
+        "composite.run",
+        "--artifacts",
+        str(folder),
+        "--prompt-ids",
+        ",".join(map(str, ids)),
+        "--max-new-tokens",
+        "24",
+        "--json",
+        check=True,
+    )
+    eager = generate_reference(
+        reference_model(manifest), ids, 24, manifest["max_seq_len"], Sampler(), tuple(manifest["eos_ids"])
+    )
     assert data["tokens"] == json.loads(python.stdout)["tokens"] == eager.tokens

@@ -20,8 +20,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def deploy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composite.deploy", *args], capture_output=True, text=True,
-                          cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "composite.deploy", *args], capture_output=True, text=True, cwd=REPO, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,14 @@ def test_push_copies_everything_then_skips_unchanged_files(local_device, qnn_fp1
         assert (device_dir / shard["file"]).read_bytes() == (qnn_fp16_export / shard["file"]).read_bytes()
     assert (device_dir / "composite_runner").is_file()
     assert (device_dir / "qnn" / "libQnnHtp.so").is_file()  # QNN placement: runtime libraries go too
-    for library in ("libexecutorch.so", "libexecutorch_backend_qnn.so", "libexecutorch_kernels_optimized.so",
-                    "libsentencepiece.so.0", "libpcre2-8.so.0", "libcrypto.so.3"):  # the runner's own closure
+    for library in (
+        "libexecutorch.so",
+        "libexecutorch_backend_qnn.so",
+        "libexecutorch_kernels_optimized.so",
+        "libsentencepiece.so.0",
+        "libpcre2-8.so.0",
+        "libcrypto.so.3",
+    ):  # the runner's own closure
         assert (device_dir / library).is_file(), library
     assert not (device_dir / "libc.so.6").exists() and not (device_dir / "libstdc++.so.6").exists()
     pushed = int(first.stdout.split()[1])
@@ -55,20 +62,36 @@ def test_push_copies_everything_then_skips_unchanged_files(local_device, qnn_fp1
 
 
 def test_run_pulls_stats_that_render_one_entry_per_shard(local_device, tmp_path):
-    root, common, first, _ = local_device
+    _, common, first, _ = local_device
     assert first.returncode == 0, first.stderr
     stats_path = tmp_path / "stats.json"
     # A fresh shell: no loader path and none of the QNN set-up variables; the pushed libraries must do.
-    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH" and not k.startswith(("QNN_", "COMPOSITE_QNN"))}
-    run = deploy("run", *common, "--prompt", "Once upon a time", "--stats-out", str(stats_path), "--",
-                 "--max_new_tokens", "8", env=env)
+    env = {
+        k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH" and not k.startswith(("QNN_", "COMPOSITE_QNN"))
+    }
+    run = deploy(
+        "run",
+        *common,
+        "--prompt",
+        "Once upon a time",
+        "--stats-out",
+        str(stats_path),
+        "--",
+        "--max_new_tokens",
+        "8",
+        env=env,
+    )
     assert run.returncode == 0, run.stderr
     stats = json.loads(stats_path.read_text())
     assert len(stats["tokens"]) == 8
     assert "QnnBackend" in stats["shard_backends"]
 
-    report = subprocess.run([sys.executable, "-m", "composite.report", str(stats_path), "--png", str(tmp_path / "r.png")],
-                            capture_output=True, text=True, cwd=REPO)
+    report = subprocess.run(
+        [sys.executable, "-m", "composite.report", str(stats_path), "--png", str(tmp_path / "r.png")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert report.returncode == 0, report.stderr
     assert (tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
     assert report.stdout.count("| stats |") == len(stats["shard_backends"]) + 2  # shards, KV update, total
@@ -86,7 +109,9 @@ def fake_adb(folder, devices: list[str]):
     folder.mkdir(exist_ok=True)
     listing = "\\n".join(f"{d}\\tdevice" for d in devices)
     script = folder / "adb"
-    script.write_text(f'#!/bin/sh\nif [ "$1" = devices ]; then printf "List of devices attached\\n{listing}\\n"; exit 0; fi\nexit 1\n')
+    script.write_text(
+        f'#!/bin/sh\nif [ "$1" = devices ]; then printf "List of devices attached\\n{listing}\\n"; exit 0; fi\nexit 1\n'
+    )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return {**os.environ, "PATH": f"{folder}:/usr/bin:/bin"}
 
@@ -136,11 +161,24 @@ def test_push_names_a_runner_library_it_cannot_find_and_pushes_nothing(default_e
     runner_c = tmp_path / "runner.c"
     runner_c.write_text("int composite_helper(void);\nint main(void) { return composite_helper() - 7; }\n")
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libcomposite_helper.so"), str(source)], check=True)
-    subprocess.run(["cc", "-o", str(tmp_path / "composite_runner"), str(runner_c), f"-L{tmp_path}", "-lcomposite_helper"],
-                   check=True)
+    subprocess.run(
+        ["cc", "-o", str(tmp_path / "composite_runner"), str(runner_c), f"-L{tmp_path}", "-lcomposite_helper"],
+        check=True,
+    )
     (tmp_path / "libcomposite_helper.so").unlink()
     root = tmp_path / "device"
-    line = one_error_line(deploy("push", "--artifacts", str(default_exports[3]), "--transport", "local",
-                                 "--local-root", str(root), "--runner", str(tmp_path / "composite_runner")))
+    line = one_error_line(
+        deploy(
+            "push",
+            "--artifacts",
+            str(default_exports[3]),
+            "--transport",
+            "local",
+            "--local-root",
+            str(root),
+            "--runner",
+            str(tmp_path / "composite_runner"),
+        )
+    )
     assert "libcomposite_helper.so" in line and "--library-path" in line
     assert not root.exists()

@@ -20,9 +20,23 @@ def test_exporting_twice_gives_identical_xnnpack_shards(workdir, default_exports
 
 def test_seeded_sampling_repeats(default_exports):
     def sample(seed: str) -> list[int]:
-        result = run_cli("composite.run", "--artifacts", str(default_exports[3]), "--prompt", "Mia ran",
-                         "--max-new-tokens", "24", "--temperature", "0.9", "--top-p", "0.9", "--seed", seed,
-                         "--json", check=True)
+        result = run_cli(
+            "composite.run",
+            "--artifacts",
+            str(default_exports[3]),
+            "--prompt",
+            "Mia ran",
+            "--max-new-tokens",
+            "24",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.9",
+            "--seed",
+            seed,
+            "--json",
+            check=True,
+        )
         return json.loads(result.stdout)["tokens"]
 
     assert sample("11") == sample("11")

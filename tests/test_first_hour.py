@@ -46,8 +46,19 @@ def test_group_size_that_quantizes_nothing_is_refused(tmp_path):
 
 def test_group_size_that_misses_some_linears_says_so(tmp_path):
     # The default's hidden_dim (352) is not a multiple of 64; dim (128) is.
-    result = run_cli("composite.export", "--quantize", "8da4w", "--group-size", "64", "--max-seq-len", "32",
-                     "--prefill-len", "4", "--output", str(tmp_path / "g64"))
+    result = run_cli(
+        "composite.export",
+        "--quantize",
+        "8da4w",
+        "--group-size",
+        "64",
+        "--max-seq-len",
+        "32",
+        "--prefill-len",
+        "4",
+        "--output",
+        str(tmp_path / "g64"),
+    )
     assert result.returncode == 0, result.stderr
     assert "warning: group size 64 does not divide hidden_dim 352" in result.stderr
     assert "note: shard 0:" in result.stdout and "left in fp32" in result.stdout
@@ -59,8 +70,13 @@ def test_layers_per_shard_implies_the_shard_count():
 
 def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared(tmp_path):
     out = tmp_path / "out"
-    export = subprocess.Popen([sys.executable, "-m", "composite.export", "--shards", "6", "--output", str(out)],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    export = subprocess.Popen(
+        [sys.executable, "-m", "composite.export", "--shards", "6", "--output", str(out)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out.partial-*")) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -80,9 +96,23 @@ def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared
 
 @needs_runner
 def test_deploy_push_from_another_folder_finds_the_built_runner(default_exports, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "composite.deploy", "push", "--artifacts", str(default_exports[3]),
-                             "--transport", "local", "--local-root", "device"], cwd=tmp_path, capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "composite.deploy",
+            "push",
+            "--artifacts",
+            str(default_exports[3]),
+            "--transport",
+            "local",
+            "--local-root",
+            "device",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "device/data/local/tmp/composite/composite_runner").is_file()
 
@@ -96,8 +126,11 @@ def test_runners_share_flags_defaults_and_text(default_exports, tmp_path):
     assert "--max-new-tokens" in python_help and "default 128" in python_help
 
     # Either spelling in either runner; the same greedy text, leading space included.
-    cpp = subprocess.run([str(RUNNER), "--artifacts", folder, "--prompt", "Once upon a time", "--max-new-tokens", "12"],
-                         capture_output=True, text=True)
+    cpp = subprocess.run(
+        [str(RUNNER), "--artifacts", folder, "--prompt", "Once upon a time", "--max-new-tokens", "12"],
+        capture_output=True,
+        text=True,
+    )
     python = run_cli("composite.run", "--artifacts", folder, "--prompt", "Once upon a time", "--max_new_tokens", "12")
     assert cpp.returncode == 0 and python.returncode == 0, cpp.stderr + python.stderr
     assert cpp.stdout == python.stdout and cpp.stdout.startswith(" ")
@@ -105,9 +138,24 @@ def test_runners_share_flags_defaults_and_text(default_exports, tmp_path):
     # Sampling without --seed: a fresh seed each run, printed so the run can be repeated.
     def sample(*seed_args):
         stats = tmp_path / "s.json"
-        result = subprocess.run([str(RUNNER), "--artifacts", folder, "--prompt", "Once upon a time",
-                                 "--max_new_tokens", "16", "--temperature", "1.0", "--stats_json", str(stats), *seed_args],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [
+                str(RUNNER),
+                "--artifacts",
+                folder,
+                "--prompt",
+                "Once upon a time",
+                "--max_new_tokens",
+                "16",
+                "--temperature",
+                "1.0",
+                "--stats_json",
+                str(stats),
+                *seed_args,
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert result.returncode == 0, result.stderr
         return json.loads(stats.read_text()), result.stderr
 
@@ -118,8 +166,9 @@ def test_runners_share_flags_defaults_and_text(default_exports, tmp_path):
     assert sample("--seed", str(first["seed"]))[0]["tokens"] == first["tokens"]
 
     assert_clean_failure(run_cli("composite.run", "--artifacts", folder, "--prompt", "hi", "--seed", "-3"), "--seed")
-    top_p = subprocess.run([str(RUNNER), "--artifacts", folder, "--prompt", "hi", "--top_p", "0"], capture_output=True,
-                           text=True)
+    top_p = subprocess.run(
+        [str(RUNNER), "--artifacts", folder, "--prompt", "hi", "--top_p", "0"], capture_output=True, text=True
+    )
     assert_clean_failure(top_p, "--top_p needs a number in (0, 1], got '0'")
 
 
@@ -129,11 +178,36 @@ def test_deploy_run_passes_runner_flags_without_a_separator(default_exports, tmp
     assert run_cli("composite.deploy", "push", "--artifacts", str(default_exports[3]), *common).returncode == 0
     stats = tmp_path / "stats.json"
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    result = subprocess.run([sys.executable, "-m", "composite.deploy", "run", *common, "--prompt", "hi",
-                             "--max_new_tokens", "5", "--stats-out", str(stats)], cwd=REPO, env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "composite.deploy",
+            "run",
+            *common,
+            "--prompt",
+            "hi",
+            "--max_new_tokens",
+            "5",
+            "--stats-out",
+            str(stats),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert len(json.loads(stats.read_text())["tokens"]) == 5
-    unwritable = run_cli("composite.deploy", "run", *common, "--prompt", "hi", "--max_new_tokens", "2",
-                         "--stats-out", "/proc/composite_x.json")
+    unwritable = run_cli(
+        "composite.deploy",
+        "run",
+        *common,
+        "--prompt",
+        "hi",
+        "--max_new_tokens",
+        "2",
+        "--stats-out",
+        "/proc/composite_x.json",
+    )
     assert_clean_failure(unwritable, "cannot write --stats-out")

@@ -16,11 +16,25 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="session")
 def hf_model(workdir, default_tokenizer):
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64},
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     )
     torch.manual_seed(11)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -35,20 +49,44 @@ def hf_model(workdir, default_tokenizer):
 def hf_export(workdir, hf_model, default_tokenizer):
     _, folder = hf_model
     out = workdir / "hf_export"
-    run_cli("composite.export", "--checkpoint", str(folder), "--tokenizer", str(default_tokenizer), "--shards", "2",
-            "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-len", str(PREFILL_LEN), "--output", str(out), check=True)
+    run_cli(
+        "composite.export",
+        "--checkpoint",
+        str(folder),
+        "--tokenizer",
+        str(default_tokenizer),
+        "--shards",
+        "2",
+        "--max-seq-len",
+        str(MAX_SEQ_LEN),
+        "--prefill-len",
+        str(PREFILL_LEN),
+        "--output",
+        str(out),
+        check=True,
+    )
     return out
 
 
 def test_greedy_tokens_and_logits_match_transformers(hf_model, hf_export):
     model, _ = hf_model
     prompt = [1, 17, 230, 45, 99, 301, 7, 12, 400, 5]
-    result = run_cli("composite.run", "--artifacts", str(hf_export), "--prompt-ids", ",".join(map(str, prompt)),
-                     "--max-new-tokens", "24", "--json", check=True)
+    result = run_cli(
+        "composite.run",
+        "--artifacts",
+        str(hf_export),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-new-tokens",
+        "24",
+        "--json",
+        check=True,
+    )
     ours = json.loads(result.stdout)["tokens"]
     with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     assert ours == expected
 
     from composite.runtime.chain import ShardChain
@@ -65,10 +103,25 @@ def test_greedy_tokens_and_logits_match_transformers(hf_model, hf_export):
 def test_transformers5_config_dialect(tmp_path):
     from composite.model.params import args_from_hf_config
 
-    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "vocab_size": 100}
-    scaling = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    v4 = args_from_hf_config({**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}, tmp_path)
-    v5 = args_from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}}, tmp_path)
+    base = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+    }
+    scaling = {
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    v4 = args_from_hf_config(
+        {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}, tmp_path
+    )
+    v5 = args_from_hf_config(
+        {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}}, tmp_path
+    )
     assert v4 == v5
     assert v5.rope_theta == 500000.0 and v5.rope_scaling["factor"] == 32.0

@@ -33,8 +33,12 @@ def test_meta_permutation_preserves_attention_scores():
     meta_q = meta_rope((x @ wq.T).view(t, heads, hd).transpose(0, 1), positions, 10000.0).transpose(0, 1)
     meta_k = meta_rope((x @ wk.T).view(t, heads, hd).transpose(0, 1), positions, 10000.0).transpose(0, 1)
     cos, sin = rope_cos_sin(1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd)), positions)
-    ours_q = apply_rope((x @ meta_to_rotate_half(wq, heads).T).view(t, heads, hd).transpose(0, 1), cos, sin).transpose(0, 1)
-    ours_k = apply_rope((x @ meta_to_rotate_half(wk, heads).T).view(t, heads, hd).transpose(0, 1), cos, sin).transpose(0, 1)
+    ours_q = apply_rope((x @ meta_to_rotate_half(wq, heads).T).view(t, heads, hd).transpose(0, 1), cos, sin).transpose(
+        0, 1
+    )
+    ours_k = apply_rope((x @ meta_to_rotate_half(wk, heads).T).view(t, heads, hd).transpose(0, 1), cos, sin).transpose(
+        0, 1
+    )
     assert torch.allclose(scores(meta_q, meta_k), scores(ours_q, ours_k), atol=1e-4)
 
 
@@ -76,7 +80,10 @@ def test_balanced_split_puts_embedding_first_and_head_last():
     # With a heavy vocabulary, the embedding and the head each end up alone when shards allow.
     four = plan_shards(args, 4)
     sizes = unit_bytes(args)
-    heaviest = max(sum(sizes[1 + s.layer_start : 1 + s.layer_end]) + sizes[0] * s.has_embedding + sizes[-1] * s.has_head for s in four)
+    heaviest = max(
+        sum(sizes[1 + s.layer_start : 1 + s.layer_end]) + sizes[0] * s.has_embedding + sizes[-1] * s.has_head
+        for s in four
+    )
     assert heaviest == sizes[-1]
 
 
@@ -127,8 +134,18 @@ def test_meta_llama3_2_params_export_with_rope_factor_32(workdir):
 
     from conftest import export, write_meta_checkpoint
 
-    params = {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128256, "multiple_of": 32,
-              "ffn_dim_multiplier": 1.5, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": True}
+    params = {
+        "dim": 32,
+        "n_layers": 1,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "vocab_size": 128256,
+        "multiple_of": 32,
+        "ffn_dim_multiplier": 1.5,
+        "norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "use_scaled_rope": True,
+    }
     checkpoint = write_meta_checkpoint(workdir / "llama3_2_ckpt", params, seed=3)
     folder = export(workdir / "llama3_2", shards=1, checkpoint=str(checkpoint), max_seq_len=16, prefill_len=4)
     model = json.loads((folder / "manifest.json").read_text())["model"]

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 import torch
+
+from composite import manifest as manifest_schema
 from conftest import (
     FP16_PLACEMENT,
     MAX_SEQ_LEN,
@@ -23,8 +25,6 @@ from conftest import (
     run_cli,
     write_meta_checkpoint,
 )
-
-from composite import manifest as manifest_schema
 
 # SQNR (dB) of the quantized QNN shard's main output on its held-out input, decode / prefill, as
 # measured when these tests were written (embedded default, 3 shards, shard 1 = layers 2-3,
@@ -42,10 +42,17 @@ def quantized_exports(qnn_ready, workdir):
     results = {}
     for precision in MEASURED_SQNR:
         config = workdir / f"qnn_{precision}.yaml"
-        config.write_text(json.dumps({
-            "shards": 3, "placement": ["xnnpack", "qnn", "xnnpack"], "max_seq_len": MAX_SEQ_LEN,
-            "prefill_len": PREFILL_LEN, "qnn": {"precision": precision, "calibration": CALIBRATION},
-        }))
+        config.write_text(
+            json.dumps(
+                {
+                    "shards": 3,
+                    "placement": ["xnnpack", "qnn", "xnnpack"],
+                    "max_seq_len": MAX_SEQ_LEN,
+                    "prefill_len": PREFILL_LEN,
+                    "qnn": {"precision": precision, "calibration": CALIBRATION},
+                }
+            )
+        )
         folder = workdir / f"qnn_{precision}"
         result = run_cli("composite.export", "--config", str(config), "--output", str(folder), check=True)
         results[precision] = (folder, result.stdout)
@@ -72,11 +79,19 @@ def shard_inputs(folder, samples: int = 2) -> tuple[dict, list]:
         def record(method, inputs):
             if len(captured[index][method]) < samples:
                 captured[index][method].append(tuple(t.clone() for t in inputs))
+
         return record
 
     tokenizer = Tokenizer(folder / manifest["tokenizer"]["file"])
-    held_out = calibrate(loaded.model, modules, {i: recorder(i) for i in captured}, manifest["methods"],
-                         manifest["max_seq_len"], {"samples": samples}, tokenizer)
+    held_out = calibrate(
+        loaded.model,
+        modules,
+        {i: recorder(i) for i in captured},
+        manifest["methods"],
+        manifest["max_seq_len"],
+        {"samples": samples},
+        tokenizer,
+    )
     for index, per_method in held_out.items():
         for method, inputs in per_method.items():
             captured[index][method].append(inputs)
@@ -102,12 +117,16 @@ def test_fp16_middle_shards_are_qnn_and_each_matches_eager(qnn_fp16_export):
                 actual = program.load_method(method).execute(list(inputs))[0]
                 with torch.no_grad():
                     expected = module(*inputs)[0]
-                cosine = torch.nn.functional.cosine_similarity(actual.flatten().double(), expected.flatten().double(), dim=0)
+                cosine = torch.nn.functional.cosine_similarity(
+                    actual.flatten().double(), expected.flatten().double(), dim=0
+                )
                 assert cosine >= 0.999, f"shard {shard['index']} {method}: cosine {cosine:.6f}"
 
 
 def greedy_tokens(*args: str) -> list[int]:
-    result = run_cli("composite.run", *args, "--prompt", "Once upon a time", "--max-new-tokens", "32", "--json", check=True)
+    result = run_cli(
+        "composite.run", *args, "--prompt", "Once upon a time", "--max-new-tokens", "32", "--json", check=True
+    )
     return json.loads(result.stdout)["tokens"]
 
 
@@ -118,8 +137,21 @@ def test_fp16_generation_equals_eager_in_both_runners(qnn_fp16_export):
     if not runner.exists():
         pytest.skip("composite_runner is not built (scripts/build_runner.sh)")
     stats = qnn_fp16_export.parent / "qnn_fp16_stats.json"
-    result = subprocess.run([str(runner), "--artifacts", str(qnn_fp16_export), "--prompt", "Once upon a time",
-                             "--max_new_tokens", "32", "--stats_json", str(stats)], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            str(runner),
+            "--artifacts",
+            str(qnn_fp16_export),
+            "--prompt",
+            "Once upon a time",
+            "--max_new_tokens",
+            "32",
+            "--stats_json",
+            str(stats),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(stats.read_text())["tokens"] == reference
     assert "warning: the QNN shards were compiled" not in result.stderr
@@ -133,12 +165,17 @@ def test_quantized_shard_sqnr_is_printed_and_stable(quantized_exports, precision
     measured = {method: next(iter(outputs.values())) for method, outputs in shard["sqnr_db"].items()}
     assert f"qnn+{precision}" in stdout and f"{measured['decode']:.1f}/{measured['prefill']:.1f}" in stdout
     for method, expected in MEASURED_SQNR[precision].items():
-        assert abs(measured[method] - expected) <= 3.0, f"{precision} {method}: {measured[method]} dB, recorded {expected}"
+        assert abs(measured[method] - expected) <= 3.0, (
+            f"{precision} {method}: {measured[method]} dB, recorded {expected}"
+        )
 
 
 def test_skip_ops_leaves_linears_to_xnnpack_inside_the_qnn_shard(qnn_ready, workdir):
-    folder = export(workdir / "qnn_skip", shards=3,
-                    placement=["xnnpack", {"backend": "qnn", "skip_ops": ["aten.linear.default"]}, "xnnpack"])
+    folder = export(
+        workdir / "qnn_skip",
+        shards=3,
+        placement=["xnnpack", {"backend": "qnn", "skip_ops": ["aten.linear.default"]}, "xnnpack"],
+    )
     shard = manifest_schema.read(folder)["shards"][1]
     assert shard["backends"] == ["QnnBackend", "XnnpackBackend"]
     assert greedy_tokens("--artifacts", str(folder)) == greedy_tokens("--artifacts", str(folder), "--reference")
@@ -146,11 +183,26 @@ def test_skip_ops_leaves_linears_to_xnnpack_inside_the_qnn_shard(qnn_ready, work
 
 def test_spill_fill_is_shared_and_is_the_largest_need(qnn_ready, workdir):
     # A wide feed-forward and a 128-token prefill need HTP spill-fill memory even at this size.
-    params = {"dim": 256, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 300,
-              "hidden_dim": 16384, "norm_eps": 1e-5, "rope_theta": 10000.0}
+    params = {
+        "dim": 256,
+        "n_layers": 2,
+        "n_heads": 8,
+        "n_kv_heads": 2,
+        "vocab_size": 300,
+        "hidden_dim": 16384,
+        "norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
     checkpoint = write_meta_checkpoint(workdir / "wide_ckpt", params, seed=3)
-    folder = export(workdir / "qnn_spill", shards=4, layers_per_shard=[0, 1, 1, 0], checkpoint=str(checkpoint),
-                    placement=["xnnpack", "qnn", "qnn", "xnnpack"], max_seq_len=256, prefill_len=128)
+    folder = export(
+        workdir / "qnn_spill",
+        shards=4,
+        layers_per_shard=[0, 1, 1, 0],
+        checkpoint=str(checkpoint),
+        placement=["xnnpack", "qnn", "qnn", "xnnpack"],
+        max_seq_len=256,
+        prefill_len=128,
+    )
     manifest = manifest_schema.read(folder)
     needs = [s["spill_fill_bytes"] for s in manifest["shards"] if s["placement"]["backend"] == "qnn"]
     assert len(needs) == 2
@@ -158,8 +210,9 @@ def test_spill_fill_is_shared_and_is_the_largest_need(qnn_ready, workdir):
 
 
 def export_error(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "composite.export", *args], capture_output=True, text=True,
-                            cwd=REPO, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "composite.export", *args], capture_output=True, text=True, cwd=REPO, env=env
+    )
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -167,14 +220,24 @@ def export_error(*args: str, env: dict | None = None) -> subprocess.CompletedPro
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("QNN_SDK_ROOT", "COMPOSITE_QNN_HOST", "COMPOSITE_QNN_REAL_HTP", "LD_LIBRARY_PATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("QNN_SDK_ROOT", "COMPOSITE_QNN_HOST", "COMPOSITE_QNN_REAL_HTP", "LD_LIBRARY_PATH")
+    }
     return {**env, **extra}
 
 
 def test_qnn_placement_without_libraries_says_what_to_install(tmp_path):
-    result = export_error("--shards", "2", "--placement", "qnn", "--output", str(tmp_path / "out"),
-                          env=clean_env(QNN_SDK_ROOT=str(tmp_path)))
+    result = export_error(
+        "--shards",
+        "2",
+        "--placement",
+        "qnn",
+        "--output",
+        str(tmp_path / "out"),
+        env=clean_env(QNN_SDK_ROOT=str(tmp_path)),
+    )
     assert "pip install --no-deps onnxruntime-qnn" in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -202,8 +265,15 @@ def test_unverified_qnn_library_version_is_refused_by_name(tmp_path):
     lib_dir = tmp_path / "sdk" / "lib" / "x86_64-linux-clang"
     lib_dir.mkdir(parents=True)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib_dir / "libQnnHtp.so"), str(source)], check=True)
-    result = export_error("--shards", "2", "--placement", "qnn", "--output", str(tmp_path / "out"),
-                          env=clean_env(QNN_SDK_ROOT=str(tmp_path / "sdk")))
+    result = export_error(
+        "--shards",
+        "2",
+        "--placement",
+        "qnn",
+        "--output",
+        str(tmp_path / "out"),
+        env=clean_env(QNN_SDK_ROOT=str(tmp_path / "sdk")),
+    )
     assert "v2.99.0.123" in result.stderr and "not verified" in result.stderr
 
 
@@ -216,9 +286,23 @@ def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, tmp_path, pre
     config = tmp_path / "quiet.yaml"
     config.write_text(f"qnn: {{precision: {precision}, calibration: {{samples: 2}}}}\n")
     out = tmp_path / "out"
-    result = run_cli("composite.export", "--config", str(config), "--shards", "3", "--layers-per-shard", "5,1,0",
-                     "--placement", "xnnpack,qnn,xnnpack", "--max-seq-len", "32", "--prefill-len", "4",
-                     "--output", str(out))
+    result = run_cli(
+        "composite.export",
+        "--config",
+        str(config),
+        "--shards",
+        "3",
+        "--layers-per-shard",
+        "5,1,0",
+        "--placement",
+        "xnnpack,qnn,xnnpack",
+        "--max-seq-len",
+        "32",
+        "--prefill-len",
+        "4",
+        "--output",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     pieces = [p.strip() for line in result.stderr.split("\n") for p in line.split("\r") if p.strip()]
     assert pieces and all(p.startswith(OUR_STDERR_PREFIXES) for p in pieces), pieces
@@ -226,8 +310,19 @@ def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, tmp_path, pre
     python = run_cli("composite.run", "--artifacts", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "4")
     assert python.returncode == 0, python.stderr
     assert python.stderr.strip().splitlines() == [python.stderr.strip()] and python.stderr.startswith("prompt ")
-    cpp = subprocess.run([str(REPO / "build" / "composite_runner"), "--artifacts", str(out), "--prompt",
-                          "Once upon a time", "--max_new_tokens", "4"], capture_output=True, text=True)
+    cpp = subprocess.run(
+        [
+            str(REPO / "build" / "composite_runner"),
+            "--artifacts",
+            str(out),
+            "--prompt",
+            "Once upon a time",
+            "--max_new_tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert cpp.returncode == 0, cpp.stderr
     assert len(cpp.stderr.strip().splitlines()) == 1 and cpp.stderr.startswith("prompt "), cpp.stderr
     verbose = run_cli("composite.run", "--artifacts", str(out), "--prompt", "hi", "--max-new-tokens", "2", "--verbose")

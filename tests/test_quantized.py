@@ -24,5 +24,7 @@ def test_8da4w_shards(workdir, default_exports):
     quantized = generate(ShardChain(folder), prompt, 8, Sampler(), keep_logits=True).logits
     reference = generate(ShardChain(default_exports[2]), prompt, 8, Sampler(), keep_logits=True).logits
     prompt_positions = [p for p in reference if p < len(prompt)]  # same prompt logits: same inputs
-    cosines = [torch.nn.functional.cosine_similarity(quantized[p], reference[p], dim=0).item() for p in prompt_positions]
+    cosines = [
+        torch.nn.functional.cosine_similarity(quantized[p], reference[p], dim=0).item() for p in prompt_positions
+    ]
     assert min(cosines) > 0.95, cosines

@@ -16,8 +16,8 @@ One more input per method, from text not used for calibration, is kept to measur
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -60,8 +60,15 @@ def token_stream(options: dict, tokenizer, vocab_size: int, length: int) -> list
 Consumer = Callable[[str, tuple], None]  # (method, inputs) -> None
 
 
-def calibrate(model, shard_modules: list, consumers: dict[int, Consumer], methods: dict[str, int],
-              max_seq_len: int, options: dict, tokenizer) -> dict[int, dict[str, tuple]]:
+def calibrate(
+    model,
+    shard_modules: list,
+    consumers: dict[int, Consumer],
+    methods: dict[str, int],
+    max_seq_len: int,
+    options: dict,
+    tokenizer,
+) -> dict[int, dict[str, tuple]]:
     """Push calibration text through the float chain; each consumer gets every input its shard
     receives, as it arrives (nothing is stored: decode inputs carry whole KV caches). `samples`
     prefill calls are made, and as many decode calls as that covers tokens (samples x prefill
@@ -77,12 +84,14 @@ def calibrate(model, shard_modules: list, consumers: dict[int, Consumer], method
     holding_out = False
     for index, consume in consumers.items():
         for method, run in list(chain.runners[index].items()):
+
             def feeding(inputs, run=run, method=method, consume=consume, store=held_out[index]):
                 if holding_out:
                     store.setdefault(method, tuple(t.clone() for t in inputs))
                 else:
                     consume(method, tuple(inputs))
                 return run(inputs)
+
             chain.runners[index][method] = feeding
 
     # Each pass: prefill chunks over the first half of the cache, then decode steps to its end,
@@ -99,8 +108,9 @@ def calibrate(model, shard_modules: list, consumers: dict[int, Consumer], method
     plan.append((1, 1))  # held out
     stream = token_stream(options, tokenizer, model.args.vocab_size, sum(p * width + d for p, d in plan))
     cursor = 0
-    progress = tqdm(total=sum(c + d for c, d in plan), desc="calibrating", unit="call", file=sys.stderr,
-                    disable=prefill_calls == 0)
+    progress = tqdm(
+        total=sum(c + d for c, d in plan), desc="calibrating", unit="call", file=sys.stderr, disable=prefill_calls == 0
+    )
     for pass_index, (chunks, steps) in enumerate(plan):
         holding_out = pass_index == len(plan) - 1
         chain.reset()

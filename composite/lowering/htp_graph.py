@@ -75,7 +75,7 @@ class HtpAttention(nn.Module):
         self.wo = attention.wo
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache):
-        b, t, _ = x.shape
+        _, t, _ = x.shape
         s = k_cache.shape[-1]
         rep = self.n_heads // self.n_kv_heads
         scale = 1.0 / math.sqrt(self.head_dim)

@@ -34,7 +34,9 @@ def compile_spec(options: dict):
     )
 
     backend = generate_htp_compiler_spec(use_fp16=options["precision"] == "fp16", use_multi_contexts=True)
-    return generate_qnn_executorch_compiler_spec(soc_model=getattr(QcomChipset, options["soc"]), backend_options=backend)
+    return generate_qnn_executorch_compiler_spec(
+        soc_model=getattr(QcomChipset, options["soc"]), backend_options=backend
+    )
 
 
 def _module_path_predicate(pattern: str):
@@ -52,14 +54,17 @@ def _module_path_predicate(pattern: str):
 
 def quantizer_for(options: dict):
     from executorch.backends.qualcomm.quantizer.quantizer import ModuleQConfig, QnnQuantizer, QuantDtype
-
     from torchao.quantization.pt2e import MinMaxObserver
 
     # Plain min/max over all calibration inputs: QNN's default moving-average observer tracks the
     # mean per-call range, which clips the largest activations of a token it has not seen.
     def qconfig(precision: str):
-        return ModuleQConfig(getattr(QuantDtype, QUANT_DTYPES[precision]), is_conv_per_channel=True,
-                             is_linear_per_channel=True, act_observer=MinMaxObserver)
+        return ModuleQConfig(
+            getattr(QuantDtype, QUANT_DTYPES[precision]),
+            is_conv_per_channel=True,
+            is_linear_per_channel=True,
+            act_observer=MinMaxObserver,
+        )
 
     from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
 
@@ -122,8 +127,10 @@ class QnnShardLowering:
         if self.quantized:
             missing = [method for method, count in self.calibrated.items() if count == 0]
             if missing:
-                raise UserError(f"no calibration inputs reached the {', '.join(missing)} method of a "
-                                f"{self.options['precision']} QNN shard")
+                raise UserError(
+                    f"no calibration inputs reached the {', '.join(missing)} method of a "
+                    f"{self.options['precision']} QNN shard"
+                )
             graphs = {method: convert_pt2e(graph) for method, graph in graphs.items()}
         spec = compile_spec(self.options)
         programs, passes, partitioners = {}, {}, {}
@@ -135,7 +142,9 @@ class QnnShardLowering:
             passes[method] = pass_manager.get_to_edge_transform_passes(
                 exported, compiler_specs=spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops
             )
-            partitioners[method] = [QnnPartitioner(spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops)]
+            partitioners[method] = [
+                QnnPartitioner(spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops)
+            ]
             if self.skip_ops or self.skip_ids:
                 partitioners[method].append(XnnpackPartitioner())
         with QnnManagerContext({method: spec for method in graphs}):
@@ -146,7 +155,9 @@ class QnnShardLowering:
         if self.quantized:
             notes.append("calibrated with " + ", ".join(f"{n} {m} inputs" for m, n in self.calibrated.items()))
         if self.skip_ops or self.skip_ids:
-            notes.append(f"left to XNNPACK: ops {sorted(self.skip_ops) or '-'}, node ids {sorted(self.skip_ids) or '-'}")
+            notes.append(
+                f"left to XNNPACK: ops {sorted(self.skip_ops) or '-'}, node ids {sorted(self.skip_ids) or '-'}"
+            )
         return edge, notes
 
 

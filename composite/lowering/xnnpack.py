@@ -63,7 +63,13 @@ def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.M
         ),
         filter_fn=takes,
     )
-    notes = [f"{len(skipped)} linears left in fp32 (in_features not a multiple of group size {group_size}): {', '.join(skipped)}"] if skipped else []
+    notes = (
+        [
+            f"{len(skipped)} linears left in fp32 (in_features not a multiple of group size {group_size}): {', '.join(skipped)}"
+        ]
+        if skipped
+        else []
+    )
     return module, notes
 
 

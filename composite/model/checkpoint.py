@@ -63,9 +63,7 @@ def _fit_state_dict(model: Transformer, weights: dict[str, torch.Tensor], source
             raise UserError(f"{source} has no tensor '{key}' that {params_source} implies")
         got = tuple(weights[key].shape)
         if got != tuple(tensor.shape):
-            raise UserError(
-                f"{source}: '{key}' has shape {list(got)} but {params_source} implies {list(tensor.shape)}"
-            )
+            raise UserError(f"{source}: '{key}' has shape {list(got)} but {params_source} implies {list(tensor.shape)}")
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         raise UserError(f"{source} has tensors that {params_source} does not describe, e.g. '{unexpected[0]}'")
@@ -101,8 +99,12 @@ def load_meta(checkpoint: Path, params_path: Path | None) -> LoadedModel:
         raise UserError(f"no params.json beside {checkpoint}; pass --params PATH")
     embedding = weights.get("tok_embeddings.weight")
     # Meta's Llama 3.2 1B/3B checkpoints leave the tied output projection out.
-    args = args_from_meta_params(params, Path(params_source), None if embedding is None else embedding.shape[0],
-                                 tied="output.weight" not in weights)
+    args = args_from_meta_params(
+        params,
+        Path(params_source),
+        None if embedding is None else embedding.shape[0],
+        tied="output.weight" not in weights,
+    )
     for i in range(args.n_layers):
         for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
             key = f"layers.{i}.attention.{name}.weight"
@@ -171,7 +173,7 @@ def load_hf(folder: Path) -> LoadedModel:
     for path in tqdm(_safetensors_files(folder), desc="loading weights", unit="file", file=sys.stderr, leave=False):
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     weights[hf_to_meta_name(name)] = f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path} is corrupt or unreadable: {e}") from None
@@ -204,4 +206,3 @@ def load_checkpoint(checkpoint: str | None, params: str | None) -> LoadedModel:
             raise UserError("--params is for Meta checkpoints; a Hugging Face folder has its config.json")
         return load_hf(path)
     return load_meta(path, Path(params) if params else None)
-

@@ -70,9 +70,11 @@ def args_from_meta_params(params: dict, source: Path, vocab_size: int | None = N
             scaling["factor"] = float(params["rope_scale_factor"])
         elif tied:
             scaling["factor"] = LLAMA3_2_ROPE_FACTOR
-            print(f"note: {source} sets use_scaled_rope and the checkpoint ties its embeddings (Llama 3.2 1B/3B): "
-                  f"rope scaling factor {LLAMA3_2_ROPE_FACTOR:g}; add rope_scale_factor to params.json for another",
-                  file=sys.stderr)
+            print(
+                f"note: {source} sets use_scaled_rope and the checkpoint ties its embeddings (Llama 3.2 1B/3B): "
+                f"rope scaling factor {LLAMA3_2_ROPE_FACTOR:g}; add rope_scale_factor to params.json for another",
+                file=sys.stderr,
+            )
     hidden = params.get("hidden_dim") or meta_ffn_hidden_dim(
         dim, params.get("multiple_of", 256), params.get("ffn_dim_multiplier")
     )

@@ -88,9 +88,7 @@ def read_build_id(real_htp: Path) -> str:
     """Ask the library itself (QnnInterface_getProviders → backendGetBuildId), in a child process:
     once the real library is loaded under its soname, a later dlopen("libQnnHtp.so") in the same
     process would get it instead of the shim."""
-    result = subprocess.run(
-        [sys.executable, "-c", _BUILD_ID_PROBE, str(real_htp)], capture_output=True, text=True
-    )
+    result = subprocess.run([sys.executable, "-c", _BUILD_ID_PROBE, str(real_htp)], capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("build-id ")]
     if result.returncode != 0 or not lines:
         detail = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -128,8 +126,18 @@ def _compile_shim(target: Path) -> None:
     if compiler is None:
         raise UserError("no C compiler found to build the QNN ABI shim: install gcc (apt-get install gcc)")
     partial = target.with_suffix(".partial")
-    command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SHIM_SOURCE), "-ldl",
-               "-Wl,-z,nodelete", "-Wl,-soname,libQnnHtp.so"]
+    command = [
+        compiler,
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-o",
+        str(partial),
+        str(SHIM_SOURCE),
+        "-ldl",
+        "-Wl,-z,nodelete",
+        "-Wl,-soname,libQnnHtp.so",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"compiling the QNN ABI shim failed: {result.stderr.strip().splitlines()[-1:]}")
@@ -161,10 +169,9 @@ def prepare() -> QnnHost:
 
 
 def is_active(host: QnnHost) -> bool:
-    return (
-        os.environ.get(ACTIVE_MARKER) == str(host.root)
-        and os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)[0] == str(host.lib_dir)
-    )
+    return os.environ.get(ACTIVE_MARKER) == str(host.root) and os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)[
+        0
+    ] == str(host.lib_dir)
 
 
 def activate() -> QnnHost:

@@ -5,8 +5,8 @@ to capture calibration inputs)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -21,8 +21,15 @@ ShardRunners = dict[str, Callable[[list], list]]
 class Chain:
     """forward(method, tokens, pos) runs every shard in order for up to T tokens of one method."""
 
-    def __init__(self, shards: list[dict], runners: list[ShardRunners], methods: dict[str, int],
-                 max_seq_len: int, cache: KVCache, mask_hidden: float):
+    def __init__(
+        self,
+        shards: list[dict],
+        runners: list[ShardRunners],
+        methods: dict[str, int],
+        max_seq_len: int,
+        cache: KVCache,
+        mask_hidden: float,
+    ):
         self.shards, self.runners, self.methods = shards, runners, dict(methods)
         self.max_seq_len, self.cache = max_seq_len, cache
         self.masks = {name: AttentionMask(n, max_seq_len, mask_hidden) for name, n in self.methods.items()}
@@ -88,8 +95,14 @@ class ShardChain(Chain):
         self.load_seconds = time.perf_counter() - started
         kv = self.manifest["kv_cache"]
         cache = KVCache(self.manifest["model"]["n_layers"], kv["k_shape"], kv["v_shape"])
-        super().__init__(self.manifest["shards"], runners, self.manifest["methods"], self.manifest["max_seq_len"],
-                         cache, self.manifest["mask"]["hidden"])
+        super().__init__(
+            self.manifest["shards"],
+            runners,
+            self.manifest["methods"],
+            self.manifest["max_seq_len"],
+            cache,
+            self.manifest["mask"]["hidden"],
+        )
 
 
 def eager_chain(model, shard_modules: list, methods: dict[str, int], max_seq_len: int) -> Chain:
@@ -100,10 +113,13 @@ def eager_chain(model, shard_modules: list, methods: dict[str, int], max_seq_len
         def run(inputs):
             with torch.no_grad():
                 return list(module(*inputs))
+
         return run
 
-    shards = [{"index": m.spec.index, "layers": [m.spec.layer_start, m.spec.layer_end], "has_head": m.spec.has_head}
-              for m in shard_modules]
+    shards = [
+        {"index": m.spec.index, "layers": [m.spec.layer_start, m.spec.layer_end], "has_head": m.spec.has_head}
+        for m in shard_modules
+    ]
     runners = [{name: runner(m) for name in methods} for m in shard_modules]
     k_shape, v_shape = cache_shapes(model.args, max_seq_len)
     cache = KVCache(model.args.n_layers, k_shape, v_shape)

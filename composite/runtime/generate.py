@@ -33,13 +33,15 @@ def check_lengths(prompt: list[int], max_new_tokens: int, seq_len: int, max_seq_
     if seq_len > max_seq_len:
         raise UserError(f"--seq-len {seq_len} is beyond this export's max_seq_len {max_seq_len}")
     if len(prompt) >= seq_len:
-        raise UserError(f"the prompt has {len(prompt)} tokens but the sequence limit is {seq_len} "
-                        f"(max_seq_len {max_seq_len}): nothing left to generate")
+        raise UserError(
+            f"the prompt has {len(prompt)} tokens but the sequence limit is {seq_len} "
+            f"(max_seq_len {max_seq_len}): nothing left to generate"
+        )
     if max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
 
 
-def stop_reason(token: int, generated: int, total: int, limits: "Limits") -> str | None:
+def stop_reason(token: int, generated: int, total: int, limits: Limits) -> str | None:
     """Why generation ends after emitting `token` (the `generated`-th new one, `total` tokens in all
     with the prompt), or None to go on. seq_len counts every token, prompt included."""
     if token in limits.eos_ids:
@@ -75,8 +77,16 @@ def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation)
     return last
 
 
-def generate(chain, prompt: list[int], max_new_tokens: int, sampler, eos_ids=(), keep_logits=False, on_token=None,
-             seq_len: int | None = None) -> Generation:
+def generate(
+    chain,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampler,
+    eos_ids=(),
+    keep_logits=False,
+    on_token=None,
+    seq_len: int | None = None,
+) -> Generation:
     """seq_len: tokens in all, prompt included (default: the export's max_seq_len)."""
     limits = Limits(max_new_tokens, seq_len or chain.max_seq_len, chain.max_seq_len, tuple(eos_ids))
     limits.check(prompt)

@@ -29,8 +29,17 @@ def reference_model(manifest: dict) -> Transformer:
 
 
 @torch.no_grad()
-def generate_reference(model: Transformer, prompt: list[int], max_new_tokens: int, max_seq_len: int, sampler,
-                       eos_ids=(), keep_logits=False, on_token=None, seq_len: int | None = None) -> Generation:
+def generate_reference(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    max_seq_len: int,
+    sampler,
+    eos_ids=(),
+    keep_logits=False,
+    on_token=None,
+    seq_len: int | None = None,
+) -> Generation:
     """Greedy/sampled generation recomputing the full sequence every step (no cache at all)."""
     limits = Limits(max_new_tokens, seq_len or max_seq_len, max_seq_len, tuple(eos_ids))
     limits.check(prompt)

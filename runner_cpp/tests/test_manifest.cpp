@@ -17,19 +17,42 @@ json tensor(const std::string& name, std::vector<int64_t> shape, const std::stri
 
 // A valid two-shard manifest of a one-layer model: dim 8, 2 heads, 1 kv head, S 16.
 json valid() {
-  json io0 = {{"decode", {{"inputs", {tensor("tokens", {1, 1}, "int64"), tensor("input_pos", {1}, "int64"), tensor("mask", {1, 17}),
-                                       tensor("k_cache.0", {1, 1, 4, 16}), tensor("v_cache.0", {1, 1, 16, 4})}},
-                          {"outputs", {tensor("hidden", {1, 1, 8}), tensor("k_new.0", {1, 1, 4, 1}), tensor("v_new.0", {1, 1, 1, 4})}}}}};
+  json io0 = {
+      {"decode",
+       {{"inputs",
+         {tensor("tokens", {1, 1}, "int64"), tensor("input_pos", {1}, "int64"), tensor("mask", {1, 17}),
+          tensor("k_cache.0", {1, 1, 4, 16}), tensor("v_cache.0", {1, 1, 16, 4})}},
+        {"outputs", {tensor("hidden", {1, 1, 8}), tensor("k_new.0", {1, 1, 4, 1}), tensor("v_new.0", {1, 1, 1, 4})}}}}};
   json io1 = {{"decode", {{"inputs", {tensor("hidden", {1, 1, 8})}}, {"outputs", {tensor("logits", {1, 1, 10})}}}}};
-  return {{"format", "composite-manifest"}, {"version", 1}, {"export_id", "x"},
-          {"model", {{"dim", 8}, {"n_layers", 1}, {"n_heads", 2}, {"n_kv_heads", 1}, {"head_dim", 4}, {"vocab_size", 10}}},
-          {"max_seq_len", 16}, {"methods", {{"decode", 1}}},
-          {"kv_cache", {{"dtype", "float32"}, {"k_shape", {1, 4, 16}}, {"v_shape", {1, 16, 4}}}},
-          {"mask", {{"hidden", -30000.0}}}, {"tokenizer", nullptr}, {"bos_id", 1}, {"eos_ids", {2}},
-          {"shards", {{{"index", 0}, {"file", "shard_00.pte"}, {"sha256", "a"}, {"size", 10}, {"layers", {0, 1}},
-                       {"has_embedding", true}, {"has_head", false}, {"io", io0}},
-                      {{"index", 1}, {"file", "shard_01.pte"}, {"sha256", "b"}, {"size", 10}, {"layers", {1, 1}},
-                       {"has_embedding", false}, {"has_head", true}, {"io", io1}}}}};
+  return {
+      {"format", "composite-manifest"},
+      {"version", 1},
+      {"export_id", "x"},
+      {"model", {{"dim", 8}, {"n_layers", 1}, {"n_heads", 2}, {"n_kv_heads", 1}, {"head_dim", 4}, {"vocab_size", 10}}},
+      {"max_seq_len", 16},
+      {"methods", {{"decode", 1}}},
+      {"kv_cache", {{"dtype", "float32"}, {"k_shape", {1, 4, 16}}, {"v_shape", {1, 16, 4}}}},
+      {"mask", {{"hidden", -30000.0}}},
+      {"tokenizer", nullptr},
+      {"bos_id", 1},
+      {"eos_ids", {2}},
+      {"shards",
+       {{{"index", 0},
+         {"file", "shard_00.pte"},
+         {"sha256", "a"},
+         {"size", 10},
+         {"layers", {0, 1}},
+         {"has_embedding", true},
+         {"has_head", false},
+         {"io", io0}},
+        {{"index", 1},
+         {"file", "shard_01.pte"},
+         {"sha256", "b"},
+         {"size", 10},
+         {"layers", {1, 1}},
+         {"has_embedding", false},
+         {"has_head", true},
+         {"io", io1}}}}};
 }
 
 std::string error_of(const json& j) {

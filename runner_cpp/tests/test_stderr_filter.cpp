@@ -1,11 +1,11 @@
-#include "stderr_filter.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+
+#include "stderr_filter.h"
 
 using composite::is_routine_native_line;
 using composite::RoutineStderrFilter;

@@ -19,9 +19,14 @@ TEST(Utf8Stream, HoldsBackACharacterSplitAcrossTokens) {
 
 TEST(Utf8Stream, ReplacesInvalidBytes) {
   Utf8Stream stream;
-  EXPECT_EQ(stream.push("\xFF" "a"), "\xEF\xBF\xBD" "a");
+  EXPECT_EQ(stream.push("\xFF"
+                        "a"),
+            "\xEF\xBF\xBD"
+            "a");
   EXPECT_EQ(stream.push("\xC3"), "");
-  EXPECT_EQ(stream.push("x"), "\xEF\xBF\xBD" "x");  // a lead byte followed by a non-continuation
+  EXPECT_EQ(stream.push("x"),
+            "\xEF\xBF\xBD"
+            "x");  // a lead byte followed by a non-continuation
   EXPECT_EQ(stream.push("\xE2\x82"), "");
   EXPECT_EQ(stream.finish(), "\xEF\xBF\xBD");
 }
