@@ -22,6 +22,7 @@
 
 #include "cpu_backend.h"
 #include "error.h"
+#include "generate.h"
 #include "manifest.h"
 #include "qnn_libraries.h"
 #include "sampler.h"
@@ -229,148 +230,87 @@ double since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// "emb+L0-L2", "L3-L5+head": what each shard holds, for the stats and the report.
+std::vector<std::string> shard_layer_labels(const Manifest& manifest) {
+  std::vector<std::string> labels;
+  for (const auto& s : manifest.shards) {
+    std::vector<std::string> parts;
+    if (s.has_embedding) parts.push_back("emb");
+    if (s.has_layers()) parts.push_back("L" + std::to_string(s.layer_first) + "-L" + std::to_string(s.layer_end - 1));
+    if (s.has_head) parts.push_back("head");
+    std::string label;
+    for (const auto& part : parts) label += (label.empty() ? "" : "+") + part;
+    labels.push_back(label);
+  }
+  return labels;
+}
+
+void warn_on_qnn_build_mismatch(const Manifest& manifest) {
+  const std::string runtime_build_id = qnn_runtime_build_id();
+  if (runtime_build_id != manifest.qnn_build_id) {
+    std::cerr << "warning: the QNN shards were compiled with QNN " << manifest.qnn_build_id
+              << " but this process loads QNN " << runtime_build_id
+              << "; context binaries may be rejected or behave differently\n";
+  }
+}
+
 int run(int argc, char** argv) {
   const Options o = parse_options(argc, argv);
   if (o.verbose) setenv("COMPOSITE_LOG", "info", 1);
   const auto load_start = std::chrono::steady_clock::now();
   const Manifest manifest = load_manifest(o.artifacts);
+  const bool has_qnn = !manifest.qnn_build_id.empty();
   // The QNN backend and libraries print their routine lines on every load and teardown; declared
   // before the chain, the filter outlives it.
   std::optional<RoutineStderrFilter> quiet_qnn;
-  if (!manifest.qnn_build_id.empty() && !o.verbose) quiet_qnn.emplace();
+  if (has_qnn && !o.verbose) quiet_qnn.emplace();
   check_files(manifest, o.verify);
   std::unique_ptr<Tokenizer> tokenizer;
   if (!manifest.tokenizer_file.empty())
     tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
   const std::vector<int64_t> prompt = prompt_tokens(o, manifest, tokenizer.get());
-  const int max_seq_len = manifest.max_seq_len;
-  if (o.seq_len > max_seq_len) {
-    throw RunnerError("--seq_len " + std::to_string(o.seq_len) + " is beyond this export's max_seq_len " +
-                      std::to_string(max_seq_len));
-  }
-  const int seq_len = o.seq_len ? o.seq_len : max_seq_len;
-  if (static_cast<int>(prompt.size()) >= seq_len) {
-    throw RunnerError("the prompt has " + std::to_string(prompt.size()) + " tokens but the sequence limit is " +
-                      std::to_string(seq_len) + " (max_seq_len " + std::to_string(max_seq_len) +
-                      "): nothing left to generate");
-  }
-  if (!manifest.qnn_build_id.empty()) {
-    const std::string runtime_build_id = qnn_runtime_build_id();
-    if (runtime_build_id != manifest.qnn_build_id) {
-      std::cerr << "warning: the QNN shards were compiled with QNN " << manifest.qnn_build_id
-                << " but this process loads QNN " << runtime_build_id
-                << "; context binaries may be rejected or behave differently\n";
-    }
-  }
-  const int threads = configure_cpu_backend(o.threads);
+  const Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : manifest.max_seq_len, manifest.max_seq_len,
+                      manifest.eos_ids};
+  check_limits(prompt.size(), limits);
+  if (has_qnn) warn_on_qnn_build_mismatch(manifest);
+  RunInfo info;
+  info.threads = configure_cpu_backend(o.threads);
   ShardChain chain(manifest);
-  const double load_seconds = since(load_start);
+  info.load_ms = since(load_start) * 1e3;
 
-  const uint64_t seed = o.seed_given ? o.seed : std::random_device{}() * 4294967296ULL + std::random_device{}();
-  if (o.temperature > 0 && !o.seed_given) std::cerr << "seed " << seed << " (--seed " << seed << " repeats this run)\n";
-  Sampler sampler(o.temperature, o.top_p, seed);
+  info.seed = o.seed_given ? o.seed : std::random_device{}() * 4294967296ULL + std::random_device{}();
+  if (o.temperature > 0 && !o.seed_given) {
+    std::cerr << "seed " << info.seed << " (--seed " << info.seed << " repeats this run)\n";
+  }
+  Sampler sampler(o.temperature, o.top_p, info.seed);
   Utf8Stream stream;
-  std::vector<int64_t> generated;
   int64_t previous = prompt.back();
-  auto emit = [&](int64_t token) {
-    generated.push_back(token);
-    if (tokenizer) {
-      std::cout << stream.push(tokenizer->token_bytes(token, previous)) << std::flush;
-    }
+  auto print_token = [&](int64_t token) {
+    if (tokenizer) std::cout << stream.push(tokenizer->token_bytes(token, previous)) << std::flush;
     previous = token;
   };
-
-  // Prefill in chunks of the prefill method's width; a lone last token goes through decode.
-  const auto prefill_start = std::chrono::steady_clock::now();
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
-  const float* logits = nullptr;
-  for (size_t start = 0; start < prompt.size(); start += width) {
-    const size_t end = std::min(prompt.size(), start + width);
-    std::vector<int64_t> chunk(prompt.begin() + start, prompt.begin() + end);
-    logits = chain.forward(chunk.size() == 1 ? "decode" : "prefill", chunk, static_cast<int>(start));
-  }
-  int64_t token = sampler.sample(logits, manifest.vocab_size);
-  const double prefill_seconds = since(prefill_start);
-  std::vector<double> prefill_shard_ms;
-  for (double s : chain.shard_seconds()) prefill_shard_ms.push_back(s * 1e3 / prompt.size());
-  const double prefill_kv_write_ms = chain.kv_write_seconds() * 1e3 / prompt.size();
-  chain.reset_stats();
-
-  std::string stop_reason;
-  int pos = static_cast<int>(prompt.size());
-  const auto decode_start = std::chrono::steady_clock::now();
-  int decode_calls = 0;
-  while (true) {
-    emit(token);
-    if (std::find(manifest.eos_ids.begin(), manifest.eos_ids.end(), token) != manifest.eos_ids.end()) {
-      stop_reason = "eos";
-      break;
-    }
-    if (static_cast<int>(generated.size()) >= o.max_new_tokens) {
-      stop_reason = "max_new_tokens";
-      break;
-    }
-    if (pos + 1 >= seq_len) {  // `token` sits at position pos: pos + 1 tokens in all
-      stop_reason = seq_len == max_seq_len ? "max_seq_len" : "seq_len";
-      break;
-    }
-    logits = chain.forward("decode", {token}, pos);
-    ++decode_calls;
-    token = sampler.sample(logits, manifest.vocab_size);
-    ++pos;
-  }
-  const double decode_seconds = since(decode_start);
+  const Generation g = generate(chain, prompt, width, manifest.vocab_size, limits, sampler, print_token);
   if (tokenizer) std::cout << stream.finish();
   std::cout << std::endl;
-  if (stop_reason == "max_seq_len") std::cerr << "stopped: reached max_seq_len " << max_seq_len << "\n";
+  if (g.stop_reason == "max_seq_len") std::cerr << "stopped: reached max_seq_len " << manifest.max_seq_len << "\n";
 
-  nlohmann::json stats;
-  stats["runner"] = "composite_runner";
-  stats["tokens"] = generated;
-  stats["prompt_tokens"] = prompt.size();
-  stats["stop_reason"] = stop_reason;
-  stats["load_ms"] = load_seconds * 1e3;
-  stats["time_to_first_token_ms"] = prefill_seconds * 1e3;
-  stats["prefill_tokens_per_s"] = prompt.size() / prefill_seconds;
-  stats["decode_tokens_per_s"] = decode_calls ? decode_calls / decode_seconds : 0.0;
-  std::vector<double> per_shard;
-  for (double s : chain.shard_seconds()) per_shard.push_back(decode_calls ? s * 1e3 / decode_calls : 0.0);
-  stats["shard_ms_per_token"] = per_shard;
-  stats["kv_write_ms_per_token"] = decode_calls ? chain.kv_write_seconds() * 1e3 / decode_calls : 0.0;
-  stats["prefill_shard_ms_per_token"] = prefill_shard_ms;
-  stats["prefill_kv_write_ms_per_token"] = prefill_kv_write_ms;
-  stats["prefill_width"] = width;
-  stats["threads"] = threads;
-  stats["seed"] = seed;
-  stats["peak_rss_mb"] = peak_rss_mb();
-  std::vector<std::string> backends;
-  for (const auto& s : manifest.shards) backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
-  stats["shard_backends"] = backends;
+  info.peak_rss_mb = peak_rss_mb();
+  for (const auto& s : manifest.shards) info.shard_backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
+  info.shard_layers = shard_layer_labels(manifest);
 #if defined(__x86_64__)
   // QNN shards on an x86 host run on Qualcomm's HTP simulator, whose timings say nothing about a phone.
-  stats["qnn_simulator"] = !manifest.qnn_build_id.empty();
-#else
-  stats["qnn_simulator"] = false;
+  info.qnn_simulator = has_qnn;
 #endif
-  std::vector<std::string> layers;
-  for (const auto& s : manifest.shards) {
-    std::string label = s.has_embedding ? "emb" : "";
-    if (s.has_layers())
-      label +=
-          (label.empty() ? "" : "+") + ("L" + std::to_string(s.layer_first) + "-L" + std::to_string(s.layer_end - 1));
-    if (s.has_head) label += (label.empty() ? "" : "+") + std::string("head");
-    layers.push_back(label);
-  }
-  stats["shard_layers"] = layers;
   std::fprintf(stderr,
-               "prompt %zu tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode "
+               "prompt %d tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode "
                "%.1f tok/s, peak RSS %.0f MB\n",
-               prompt.size(), generated.size(), stop_reason.c_str(), load_seconds * 1e3, prefill_seconds * 1e3,
-               stats["prefill_tokens_per_s"].get<double>(), stats["decode_tokens_per_s"].get<double>(), peak_rss_mb());
+               g.prompt_tokens, g.tokens.size(), g.stop_reason.c_str(), info.load_ms, g.prefill_seconds * 1e3,
+               g.prefill_tokens_per_s(), g.decode_tokens_per_s(), info.peak_rss_mb);
   if (!o.stats_json.empty()) {
     std::ofstream out(o.stats_json);
     if (!out) throw RunnerError("cannot write --stats_json " + o.stats_json);
-    out << stats.dump(1) << "\n";
+    out << stats_json(g, info).dump(1) << "\n";
   }
   return 0;
 }

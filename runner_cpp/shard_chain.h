@@ -10,23 +10,24 @@
 #include <string>
 #include <vector>
 
+#include "generate.h"
 #include "kv_cache.h"
 #include "manifest.h"
 
 namespace composite {
 
-class ShardChain {
+class ShardChain : public TokenChain {
  public:
   // Keeps its own copy of the manifest: the chain must not outlive what it describes.
   explicit ShardChain(Manifest manifest);
 
   // Runs `tokens` (1 .. width of `method`) at positions pos..; returns logits of the last token.
-  const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos);
+  const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos) override;
 
   // Time spent per shard and in KV writes since the last reset_stats().
-  const std::vector<double>& shard_seconds() const { return shard_seconds_; }
-  double kv_write_seconds() const { return kv_write_seconds_; }
-  void reset_stats();
+  const std::vector<double>& shard_seconds() const override { return shard_seconds_; }
+  double kv_write_seconds() const override { return kv_write_seconds_; }
+  void reset_stats() override;
 
  private:
   struct MethodBuffers {

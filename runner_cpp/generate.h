@@ -1,0 +1,74 @@
+// The generation loop: prefill the prompt in chunks of the prefill method's width, then decode one
+// token per call until a stop condition; and the stats of the run as JSON. The loop knows the
+// shards only as a TokenChain, so the unit tests drive it with a fake.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "sampler.h"
+
+namespace composite {
+
+// What the loop needs from the shards: ShardChain, or a fake.
+class TokenChain {
+ public:
+  virtual ~TokenChain() = default;
+  // Runs `tokens` (1 .. width of `method`) at positions pos..; returns the logits of the last one.
+  virtual const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos) = 0;
+  // Seconds spent per shard and in KV-cache writes since the last reset_stats().
+  virtual const std::vector<double>& shard_seconds() const = 0;
+  virtual double kv_write_seconds() const = 0;
+  virtual void reset_stats() = 0;
+};
+
+struct Limits {
+  int max_new_tokens = 128;
+  int seq_len = 0;  // tokens in all, prompt included
+  int max_seq_len = 0;
+  std::vector<int64_t> eos_ids;
+};
+
+// Throws RunnerError when the prompt leaves nothing to generate or seq_len exceeds max_seq_len.
+void check_limits(size_t prompt_tokens, const Limits& limits);
+
+// Why generation ends after emitting `token`, the `generated`-th new one with `total` tokens in
+// all, or "" to go on. composite/runtime/generate.py's stop_reason decides the same way.
+std::string stop_reason(int64_t token, int generated, int total, const Limits& limits);
+
+struct Generation {
+  std::vector<int64_t> tokens;
+  std::string stop_reason;
+  int prompt_tokens = 0;
+  int prefill_width = 1;
+  int decode_calls = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  std::vector<double> prefill_shard_ms_per_token, decode_shard_ms_per_token;
+  double prefill_kv_write_ms_per_token = 0, decode_kv_write_ms_per_token = 0;
+
+  double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
+  double decode_tokens_per_s() const {
+    return decode_calls && decode_seconds > 0 ? decode_calls / decode_seconds : 0.0;
+  }
+};
+
+// A lone last prompt token goes through "decode" rather than a padded "prefill" call.
+Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int prefill_width, int vocab_size,
+                    const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token);
+
+// Facts of the run beside the generation itself.
+struct RunInfo {
+  double load_ms = 0;
+  int threads = 0;
+  uint64_t seed = 0;
+  double peak_rss_mb = 0;
+  std::vector<std::string> shard_backends, shard_layers;
+  bool qnn_simulator = false;  // QNN shards ran on the x86 HTP simulator
+};
+
+// The --stats_json document (its keys are listed in the README, "Stats").
+nlohmann::json stats_json(const Generation& generation, const RunInfo& run);
+
+}  // namespace composite

@@ -1,0 +1,127 @@
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "error.h"
+#include "generate.h"
+
+using namespace composite;
+
+namespace {
+
+// Predicts "previous token + 1" (mod vocab) and records every call.
+class CountingChain : public TokenChain {
+ public:
+  struct Call {
+    std::string method;
+    std::vector<int64_t> tokens;
+    int pos;
+  };
+  explicit CountingChain(int vocab) : logits_(vocab, 0.f), seconds_(2, 0.0) {}
+
+  const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos) override {
+    calls.push_back({method, tokens, pos});
+    std::fill(logits_.begin(), logits_.end(), 0.f);
+    logits_[(tokens.back() + 1) % logits_.size()] = 1.f;
+    seconds_[0] += 0.001;
+    seconds_[1] += 0.003;
+    kv_seconds_ += 0.0005;
+    return logits_.data();
+  }
+  const std::vector<double>& shard_seconds() const override { return seconds_; }
+  double kv_write_seconds() const override { return kv_seconds_; }
+  void reset_stats() override {
+    seconds_.assign(seconds_.size(), 0.0);
+    kv_seconds_ = 0;
+  }
+
+  std::vector<Call> calls;
+
+ private:
+  std::vector<float> logits_;
+  std::vector<double> seconds_;
+  double kv_seconds_ = 0;
+};
+
+Limits limits(int max_new_tokens, int seq_len, std::vector<int64_t> eos = {}) {
+  return Limits{max_new_tokens, seq_len, 64, std::move(eos)};
+}
+
+}  // namespace
+
+TEST(Generate, PrefillsInChunksAndSendsALoneLastTokenThroughDecode) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  const Generation g = generate(chain, {1, 2, 3, 4, 5, 6, 7}, 3, 100, limits(4, 64), greedy, nullptr);
+  ASSERT_GE(chain.calls.size(), 3u);
+  EXPECT_EQ(chain.calls[0].method, "prefill");
+  EXPECT_EQ(chain.calls[0].tokens, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(chain.calls[1].pos, 3);
+  EXPECT_EQ(chain.calls[2].method, "decode");
+  EXPECT_EQ(chain.calls[2].tokens, (std::vector<int64_t>{7}));
+  EXPECT_EQ(chain.calls[2].pos, 6);
+  // Then decode, one position further each step.
+  EXPECT_EQ(g.tokens, (std::vector<int64_t>{8, 9, 10, 11}));
+  EXPECT_EQ(chain.calls.size(), 3u + 3u);
+  for (size_t i = 3; i < chain.calls.size(); ++i) {
+    EXPECT_EQ(chain.calls[i].method, "decode");
+    EXPECT_EQ(chain.calls[i].pos, static_cast<int>(7 + i - 3));
+  }
+  EXPECT_EQ(g.stop_reason, "max_new_tokens");
+  EXPECT_EQ(g.decode_calls, 3);
+}
+
+TEST(Generate, StopsOnAnyEosId) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  const Generation g = generate(chain, {1, 2}, 4, 100, limits(50, 64, {99, 5}), greedy, nullptr);
+  EXPECT_EQ(g.tokens, (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_EQ(g.stop_reason, "eos");
+}
+
+TEST(Generate, SeqLenCountsEveryToken) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  const Generation g = generate(chain, {1, 2, 3}, 4, 100, limits(50, 10), greedy, nullptr);
+  EXPECT_EQ(g.tokens.size() + 3, 10u);
+  EXPECT_EQ(g.stop_reason, "seq_len");
+  const Generation full = generate(chain, {1, 2, 3}, 4, 100, Limits{500, 64, 64, {}}, greedy, nullptr);
+  EXPECT_EQ(full.tokens.size() + 3, 64u);
+  EXPECT_EQ(full.stop_reason, "max_seq_len");
+}
+
+TEST(Generate, EmitsEachTokenAsItIsChosen) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  std::vector<int64_t> seen;
+  const Generation g = generate(chain, {40}, 4, 100, limits(5, 64), greedy, [&](int64_t t) { seen.push_back(t); });
+  EXPECT_EQ(seen, g.tokens);
+}
+
+TEST(Generate, RefusesAPromptThatLeavesNothingToGenerate) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  EXPECT_THROW(generate(chain, {}, 4, 100, limits(5, 64), greedy, nullptr), RunnerError);
+  EXPECT_THROW(generate(chain, {1, 2, 3}, 4, 100, limits(5, 3), greedy, nullptr), RunnerError);
+  EXPECT_THROW(check_limits(2, Limits{5, 65, 64, {}}), RunnerError);
+  EXPECT_TRUE(chain.calls.empty());
+}
+
+TEST(Generate, StatsSplitPrefillAndDecodeTimePerToken) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  const Generation g = generate(chain, {1, 2, 3, 4}, 4, 100, limits(3, 64), greedy, nullptr);
+  // One prefill call for 4 prompt tokens; two decode calls.
+  ASSERT_EQ(g.prefill_shard_ms_per_token.size(), 2u);
+  EXPECT_NEAR(g.prefill_shard_ms_per_token[1], 3.0 / 4, 1e-9);
+  EXPECT_NEAR(g.decode_shard_ms_per_token[1], 3.0, 1e-9);
+  EXPECT_NEAR(g.decode_kv_write_ms_per_token, 0.5, 1e-9);
+  RunInfo info;
+  info.shard_backends = {"XnnpackBackend", "QnnBackend"};
+  const nlohmann::json stats = stats_json(g, info);
+  EXPECT_EQ(stats["runner"], "composite_runner");
+  EXPECT_EQ(stats["tokens"].get<std::vector<int64_t>>(), g.tokens);
+  EXPECT_EQ(stats["shard_ms_per_token"].size(), 2u);
+  EXPECT_EQ(stats["stop_reason"], "max_new_tokens");
+}
