@@ -1,4 +1,4 @@
-"""python -m composite.report: where the time goes, from composite_runner --stats_json files.
+"""python -m composite.report: where the time goes, from the runners' stats files.
 
 One or more stats files (several compare placements side by side) become a PNG of time per token
 spent in each shard, coloured by backend, and in KV-cache writes, for decode and for prefill, and
@@ -18,6 +18,7 @@ BACKEND_COLOURS = {"XnnpackBackend": "#4C78A8", "QnnBackend": "#F58518", "portab
 BACKEND_NAMES = {"XnnpackBackend": "XNNPACK", "QnnBackend": "QNN HTP", "portable": "portable"}
 KV_COLOUR = "#54A24B"
 SIMULATED_HATCH = "///"
+RUNNERS = ("composite_runner", "composite.run")  # both write the same stats schema
 
 
 @dataclass
@@ -52,8 +53,8 @@ def read_stats(path: Path, label: str | None = None) -> RunTimes:
         raise UserError(f"cannot read stats file {path}: {e}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"stats file {path} is not valid JSON: {e}") from None
-    if not isinstance(stats, dict) or stats.get("runner") != "composite_runner":
-        raise UserError(f"{path} is not a composite_runner --stats_json file")
+    if not isinstance(stats, dict) or stats.get("runner") not in RUNNERS:
+        raise UserError(f"{path} is not a stats file of composite_runner --stats_json or composite.run --stats-json")
     backends = stats.get("shard_backends")
     if not isinstance(backends, list) or not backends:
         raise UserError(f"{path}: 'shard_backends' is missing; write it with this version of composite_runner")
@@ -163,7 +164,7 @@ def render(runs: list[RunTimes], png: Path, title: str = "") -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m composite.report", description=__doc__.split(":", 1)[1].strip())
-    p.add_argument("stats", nargs="+", help="composite_runner --stats_json files")
+    p.add_argument("stats", nargs="+", help="stats files of composite_runner --stats_json or composite.run --stats-json")
     p.add_argument("--labels", help="comma-separated names for the runs (default: file names)")
     p.add_argument("--png", default="report.png", help="picture to write (default report.png)")
     p.add_argument("--title", default="", help="title over the picture")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ quiet.silence_library_noise()
 
 from composite import manifest as manifest_schema  # noqa: E402
 from composite.errors import UserError, exits_cleanly  # noqa: E402
-from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
+from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, generate, stats  # noqa: E402
 from composite.runtime.sampler import Sampler, fresh_seed  # noqa: E402
 
 
@@ -41,7 +42,8 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", "--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     p.add_argument("--seed", type=int, help="sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--json", action="store_true", help="print the stats (as --stats-json writes them) instead of text")
+    p.add_argument("--stats-json", "--stats_json", help="write the run's stats as JSON (composite_runner's schema)")
     p.add_argument("--reference", action="store_true", help="run the unsplit eager PyTorch model instead")
     p.add_argument("--verify", action="store_true", help="check every shard's sha256 before loading")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
@@ -73,6 +75,14 @@ def load_tokenizer(folder: Path, manifest: dict):
     from composite.tokenizer import Tokenizer
 
     return Tokenizer(folder / entry["file"], entry["type"])
+
+
+def peak_rss_mb() -> float:
+    """This process's high-water mark (VmHWM), as composite_runner reports its own."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def continuation(tokenizer, context: list[int], tokens: list[int]) -> str:
@@ -132,7 +142,6 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
     eos = tuple(manifest["eos_ids"])
     stream = TextStream(tokenizer, prompt[-1:]) if tokenizer is not None and not args.json else None
     load_seconds = 0.0
-    shard_seconds = None
     if args.reference:
         from composite.runtime.reference import generate_reference, reference_model
 
@@ -148,33 +157,29 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
         )
     else:
         from composite.runtime.chain import ShardChain
-        from composite.runtime.generate import generate
 
         chain = ShardChain(folder, verify=args.verify)
         load_seconds = chain.load_seconds
         generation = generate(chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream, seq_len=args.seq_len)
-        shard_seconds = chain.shard_seconds
-    n_decode = len(generation.tokens) - 1
-    calls = n_decode + max(1, -(-len(prompt) // manifest["methods"]["prefill"]))
-    stats = {
-        "tokens": generation.tokens,
-        "prompt_tokens": len(prompt),
-        "text": continuation(tokenizer, prompt[-1:], generation.tokens) if tokenizer is not None else None,
-        "stop_reason": generation.stop_reason,
-        "load_ms": round(load_seconds * 1000, 2),
-        "time_to_first_token_ms": round(generation.first_token_seconds * 1000, 2),
-        "prefill_tokens_per_s": round(len(prompt) / generation.prefill_seconds, 2)
-        if generation.prefill_seconds
-        else None,
-        "decode_tokens_per_s": round(n_decode / generation.decode_seconds, 2)
-        if n_decode and generation.decode_seconds
-        else None,
-        "shard_ms_per_call": [round(s * 1000 / calls, 3) for s in shard_seconds] if shard_seconds else None,
-        "runner": "reference" if args.reference else "composite.run",
-        "seed": seed,
-    }
+    has_qnn = any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"])
+    report = stats(
+        generation,
+        manifest,
+        "reference" if args.reference else "composite.run",
+        load_ms=load_seconds * 1e3,
+        threads=None,  # ExecuTorch's Python runtime sizes its own threadpool
+        seed=seed,
+        peak_rss_mb=peak_rss_mb(),
+        qnn_simulator=has_qnn and not args.reference and platform.machine() == "x86_64",
+        text=continuation(tokenizer, prompt[-1:], generation.tokens) if tokenizer is not None else None,
+    )
+    if args.stats_json:
+        try:
+            Path(args.stats_json).write_text(json.dumps(report, indent=1) + "\n")
+        except OSError as e:
+            raise UserError(f"cannot write --stats-json {args.stats_json}: {e.strerror}") from None
     if args.json:
-        print(json.dumps(stats))
+        print(json.dumps(report))
         return
     if stream is None:
         print(" ".join(map(str, generation.tokens)))
@@ -185,8 +190,8 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
         print(f"stopped: reached max_seq_len {manifest['max_seq_len']}", file=sys.stderr)
     print(
         f"prompt {len(prompt)} tokens, generated {len(generation.tokens)} ({generation.stop_reason}); "
-        f"prefill {stats['prefill_tokens_per_s']} tok/s, decode {stats['decode_tokens_per_s']} tok/s, "
-        f"first token {stats['time_to_first_token_ms']} ms",
+        f"prefill {generation.prefill_tokens_per_s:.1f} tok/s, decode {generation.decode_tokens_per_s:.1f} tok/s, "
+        f"first token {generation.first_token_seconds * 1e3:.1f} ms",
         file=sys.stderr,
     )
 

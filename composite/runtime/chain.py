@@ -34,6 +34,7 @@ class Chain:
         self.max_seq_len, self.cache = max_seq_len, cache
         self.masks = {name: AttentionMask(n, max_seq_len, mask_hidden) for name, n in self.methods.items()}
         self.shard_seconds = [0.0] * len(shards)
+        self.kv_write_seconds = 0.0
 
     def forward(self, method: str, tokens: list[int], pos: int) -> torch.Tensor:
         """Logits [vocab] of the last of `tokens` (at most the method's T) placed at positions pos.."""
@@ -60,13 +61,20 @@ class Chain:
             outputs = runners[method](inputs)
             self.shard_seconds[shard["index"]] += time.perf_counter() - started
             x = outputs[0]
+            started = time.perf_counter()
             for i, layer in enumerate(range(first, end)):
                 self.cache.write(layer, outputs[1 + 2 * i], outputs[2 + 2 * i], pos, count)
+            self.kv_write_seconds += time.perf_counter() - started
         return x[0, -1]
 
     def reset(self) -> None:
         self.cache.reset()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the timers (the cache keeps its contents)."""
         self.shard_seconds = [0.0] * len(self.shards)
+        self.kv_write_seconds = 0.0
 
 
 class ShardChain(Chain):

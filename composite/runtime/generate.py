@@ -25,6 +25,20 @@ class Generation:
     decode_seconds: float = 0.0
     first_token_seconds: float = 0.0
     stop_reason: str = ""
+    decode_calls: int = 0
+    # per shard, ms per prompt token (prefill) and per decode call; KV-cache writes likewise
+    prefill_shard_ms_per_token: list[float] = field(default_factory=list)
+    decode_shard_ms_per_token: list[float] = field(default_factory=list)
+    prefill_kv_write_ms_per_token: float = 0.0
+    decode_kv_write_ms_per_token: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt) / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_calls / self.decode_seconds if self.decode_calls and self.decode_seconds else 0.0
 
 
 def check_lengths(prompt: list[int], max_new_tokens: int, seq_len: int, max_seq_len: int) -> None:
@@ -96,6 +110,9 @@ def generate(
     logits = prefill(chain, prompt, keep_logits, generation)
     token = sampler(logits)
     generation.prefill_seconds = generation.first_token_seconds = time.perf_counter() - started
+    generation.prefill_shard_ms_per_token = [s * 1e3 / len(prompt) for s in chain.shard_seconds]
+    generation.prefill_kv_write_ms_per_token = chain.kv_write_seconds * 1e3 / len(prompt)
+    chain.reset_stats()
     pos = len(prompt)
     decode_started = time.perf_counter()
     while True:
@@ -106,9 +123,43 @@ def generate(
         if generation.stop_reason:
             break
         logits = chain.forward(DECODE, [token], pos)
+        generation.decode_calls += 1
         if keep_logits:
             generation.logits[pos] = logits.clone()
         token = sampler(logits)
         pos += 1
     generation.decode_seconds = time.perf_counter() - decode_started
+    calls = generation.decode_calls
+    generation.decode_shard_ms_per_token = [s * 1e3 / calls if calls else 0.0 for s in chain.shard_seconds]
+    generation.decode_kv_write_ms_per_token = chain.kv_write_seconds * 1e3 / calls if calls else 0.0
     return generation
+
+
+def stats(generation: Generation, manifest: dict, runner: str, **run_info) -> dict:
+    """The stats document both runners write (composite_runner --stats_json, composite.run
+    --stats-json/--json; keys listed in the README, "Stats"). run_info: load_ms, threads, seed,
+    peak_rss_mb, qnn_simulator, and anything the runner adds."""
+    return {
+        "runner": runner,
+        "tokens": generation.tokens,
+        "prompt_tokens": len(generation.prompt),
+        "stop_reason": generation.stop_reason,
+        "time_to_first_token_ms": generation.first_token_seconds * 1e3,
+        "prefill_tokens_per_s": generation.prefill_tokens_per_s,
+        "decode_tokens_per_s": generation.decode_tokens_per_s,
+        "shard_ms_per_token": generation.decode_shard_ms_per_token,
+        "kv_write_ms_per_token": generation.decode_kv_write_ms_per_token,
+        "prefill_shard_ms_per_token": generation.prefill_shard_ms_per_token,
+        "prefill_kv_write_ms_per_token": generation.prefill_kv_write_ms_per_token,
+        "prefill_width": manifest["methods"][PREFILL],
+        "shard_backends": [(s.get("backends") or ["portable"])[0] for s in manifest["shards"]],
+        "shard_layers": [shard_label(s) for s in manifest["shards"]],
+        **run_info,
+    }
+
+
+def shard_label(shard: dict) -> str:
+    """ "emb+L0-L2", "L3-L5+head": what a shard holds (composite_runner labels shards the same way)."""
+    first, end = shard["layers"]
+    parts = (["emb"] if shard["has_embedding"] else []) + ([f"L{first}-L{end - 1}"] if end > first else [])
+    return "+".join(parts + (["head"] if shard["has_head"] else []))

@@ -62,4 +62,5 @@ def generate_reference(
         if generation.stop_reason:
             break
     generation.decode_seconds = time.perf_counter() - started - generation.prefill_seconds
+    generation.decode_calls = len(generation.tokens) - 1
     return generation
