@@ -164,7 +164,9 @@ def render(runs: list[RunTimes], png: Path, title: str = "") -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m composite.report", description=__doc__.split(":", 1)[1].strip())
-    p.add_argument("stats", nargs="+", help="stats files of composite_runner --stats_json or composite.run --stats-json")
+    p.add_argument(
+        "stats", nargs="+", help="stats files of composite_runner --stats_json or composite.run --stats-json"
+    )
     p.add_argument("--labels", help="comma-separated names for the runs (default: file names)")
     p.add_argument("--png", default="report.png", help="picture to write (default report.png)")
     p.add_argument("--title", default="", help="title over the picture")

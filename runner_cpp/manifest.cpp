@@ -3,8 +3,10 @@
 #include <openssl/evp.h>
 #include <sys/stat.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -30,13 +32,39 @@ const json& require(const json& object, const char* key, const std::string& wher
   return object.at(key);
 }
 
+// nlohmann converts a JSON float to an integer type with a plain cast, which is undefined when
+// the value is out of range: integers are read only from JSON integers that fit.
+template <typename T>
+T integer(const json& value, const std::string& what) {
+  if (!value.is_number_integer()) throw RunnerError(what + " must be an integer, got " + value.dump());
+  const bool fits = value.is_number_unsigned()
+                        ? value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+                        : value.get<int64_t>() >= std::numeric_limits<T>::min() &&
+                              value.get<int64_t>() <= std::numeric_limits<T>::max();
+  if (!fits) throw RunnerError(what + " is out of range: " + value.dump());
+  return static_cast<T>(value.is_number_unsigned() ? static_cast<int64_t>(value.get<uint64_t>())
+                                                   : value.get<int64_t>());
+}
+
+template <typename T>
+std::vector<T> integers(const json& value, const std::string& what) {
+  if (!value.is_array()) throw RunnerError(what + " must be a list of integers");
+  std::vector<T> out;
+  for (const json& item : value) out.push_back(integer<T>(item, what));
+  return out;
+}
+
+int require_int(const json& object, const char* key, const std::string& where) {
+  return integer<int>(require(object, key, where), where + " '" + key + "'");
+}
+
 std::vector<TensorDesc> parse_tensors(const json& list, const std::string& where) {
   if (!list.is_array()) throw RunnerError(where + " is not a list");
   std::vector<TensorDesc> out;
   for (const json& t : list) {
     TensorDesc desc;
     desc.name = require(t, "name", where).get<std::string>();
-    desc.shape = require(t, "shape", where).get<std::vector<int64_t>>();
+    desc.shape = integers<int64_t>(require(t, "shape", where), where + " shape");
     desc.dtype = require(t, "dtype", where).get<std::string>();
     for (int64_t d : desc.shape) {
       if (d <= 0) throw RunnerError(where + ": tensor " + desc.name + " has a non-positive dimension");
@@ -60,25 +88,27 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     if (!j.is_object() || j.value("format", "") != "composite-manifest") {
       throw RunnerError(where + " is not a composite manifest");
     }
-    if (j.value("version", 0) != 1) {
-      throw RunnerError(where + ": manifest version " + j.value("version", json()).dump() +
-                        " is not supported (this runner reads 1)");
+    const json version = j.value("version", json());
+    if (!version.is_number_integer() || version.get<int64_t>() != 1) {
+      throw RunnerError(where + ": manifest version " + version.dump() + " is not supported (this runner reads 1)");
     }
     Manifest m;
     m.folder = folder;
     m.export_id = require(j, "export_id", where).get<std::string>();
     const json& model = require(j, "model", where);
-    m.dim = require(model, "dim", where + " model").get<int>();
-    m.n_layers = require(model, "n_layers", where + " model").get<int>();
-    m.n_heads = require(model, "n_heads", where + " model").get<int>();
-    m.n_kv_heads = require(model, "n_kv_heads", where + " model").get<int>();
-    m.head_dim = require(model, "head_dim", where + " model").get<int>();
-    m.vocab_size = require(model, "vocab_size", where + " model").get<int>();
-    m.max_seq_len = require(j, "max_seq_len", where).get<int>();
+    m.dim = require_int(model, "dim", where + " model");
+    m.n_layers = require_int(model, "n_layers", where + " model");
+    m.n_heads = require_int(model, "n_heads", where + " model");
+    m.n_kv_heads = require_int(model, "n_kv_heads", where + " model");
+    m.head_dim = require_int(model, "head_dim", where + " model");
+    m.vocab_size = require_int(model, "vocab_size", where + " model");
+    m.max_seq_len = require_int(j, "max_seq_len", where);
     if (m.max_seq_len < 2 || m.vocab_size < 1 || m.n_layers < 0) {
       throw RunnerError(where + ": max_seq_len, vocab_size or n_layers is out of range");
     }
-    m.methods = require(j, "methods", where).get<std::map<std::string, int>>();
+    const json& methods = require(j, "methods", where);
+    if (!methods.is_object()) throw RunnerError(where + ": 'methods' must map method names to widths");
+    for (const auto& [name, width] : methods.items()) m.methods[name] = integer<int>(width, where + " method " + name);
     if (!m.methods.count("decode") || m.methods.at("decode") != 1) {
       throw RunnerError(where + ": needs a 'decode' method of 1 token per call");
     }
@@ -89,22 +119,26 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     if (require(kv, "dtype", where + " kv_cache").get<std::string>() != "float32") {
       throw RunnerError(where + ": only float32 KV caches are supported by this runner");
     }
-    m.k_shape = require(kv, "k_shape", where + " kv_cache").get<std::vector<int64_t>>();
-    m.v_shape = require(kv, "v_shape", where + " kv_cache").get<std::vector<int64_t>>();
+    m.k_shape = integers<int64_t>(require(kv, "k_shape", where + " kv_cache"), where + " kv_cache k_shape");
+    m.v_shape = integers<int64_t>(require(kv, "v_shape", where + " kv_cache"), where + " kv_cache v_shape");
     const std::vector<int64_t> k_expected = {m.n_kv_heads, m.head_dim, m.max_seq_len};
     const std::vector<int64_t> v_expected = {m.n_kv_heads, m.max_seq_len, m.head_dim};
     if (m.k_shape != k_expected || m.v_shape != v_expected) {
       throw RunnerError(where + ": kv_cache shapes do not match the model and max_seq_len");
     }
-    m.mask_hidden = require(require(j, "mask", where), "hidden", where + " mask").get<float>();
+    const json& hidden = require(require(j, "mask", where), "hidden", where + " mask");
+    if (!hidden.is_number() || !(std::fabs(hidden.get<double>()) <= std::numeric_limits<float>::max())) {
+      throw RunnerError(where + ": mask 'hidden' must be a finite float32 number");
+    }
+    m.mask_hidden = hidden.get<float>();
     const json& tok = require(j, "tokenizer", where);
     if (!tok.is_null()) {
       m.tokenizer_file = require(tok, "file", where + " tokenizer").get<std::string>();
       m.tokenizer_type = require(tok, "type", where + " tokenizer").get<std::string>();
     }
     const json& bos = require(j, "bos_id", where);
-    m.bos_id = bos.is_null() ? -1 : bos.get<int64_t>();
-    m.eos_ids = require(j, "eos_ids", where).get<std::vector<int64_t>>();
+    m.bos_id = bos.is_null() ? -1 : integer<int64_t>(bos, where + " bos_id");
+    m.eos_ids = integers<int64_t>(require(j, "eos_ids", where), where + " eos_ids");
     const json& shards = require(j, "shards", where);
     if (!shards.is_array() || shards.empty()) throw RunnerError(where + ": 'shards' must be a non-empty list");
     int expected_layer = 0;
@@ -112,15 +146,15 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
       const json& s = shards[i];
       const std::string sw = where + " shard " + std::to_string(i);
       ShardInfo info;
-      info.index = require(s, "index", sw).get<int>();
+      info.index = require_int(s, "index", sw);
       if (info.index != static_cast<int>(i)) {
         throw RunnerError(sw + " says index " + std::to_string(info.index) + ": shards are out of order");
       }
       info.file = require(s, "file", sw).get<std::string>();
       if (info.file.find('/') != std::string::npos) throw RunnerError(sw + ": file name must not contain '/'");
       info.sha256 = require(s, "sha256", sw).get<std::string>();
-      info.size = require(s, "size", sw).get<int64_t>();
-      auto layers = require(s, "layers", sw).get<std::vector<int>>();
+      info.size = integer<int64_t>(require(s, "size", sw), sw + " size");
+      auto layers = integers<int>(require(s, "layers", sw), sw + " layers");
       if (layers.size() != 2 || layers[0] != expected_layer || layers[1] < layers[0] || layers[1] > m.n_layers) {
         throw RunnerError(sw + ": layers do not continue the chain at layer " + std::to_string(expected_layer));
       }
@@ -144,7 +178,8 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     if (expected_layer != m.n_layers) throw RunnerError(where + ": the shards do not cover all layers");
     if (j.contains("qnn") && !j.at("qnn").is_null()) {
       m.qnn_build_id = require(j.at("qnn"), "build_id", where + " qnn").get<std::string>();
-      m.qnn_spill_fill_bytes = require(j.at("qnn"), "spill_fill_bytes", where + " qnn").get<int64_t>();
+      m.qnn_spill_fill_bytes =
+          integer<int64_t>(require(j.at("qnn"), "spill_fill_bytes", where + " qnn"), where + " qnn spill_fill_bytes");
     }
     return m;
   } catch (const json::exception& e) {

@@ -308,10 +308,22 @@ def test_portable_shard_generates_the_eager_tokens_in_both_runners(workdir, tmp_
 
 def test_both_runners_write_one_stats_schema_that_the_report_reads(six, tmp_path):
     cpp_stats, python_stats = tmp_path / "cpp.json", tmp_path / "python.json"
-    cpp = run_runner("--artifacts", str(six), "--prompt", "Mia ran", "--max_new_tokens", "6", "--stats_json", str(cpp_stats))
+    cpp = run_runner(
+        "--artifacts", str(six), "--prompt", "Mia ran", "--max_new_tokens", "6", "--stats_json", str(cpp_stats)
+    )
     assert cpp.returncode == 0, cpp.stderr
-    run_cli("composite.run", "--artifacts", str(six), "--prompt", "Mia ran", "--max-new-tokens", "6", "--stats-json",
-            str(python_stats), check=True)
+    run_cli(
+        "composite.run",
+        "--artifacts",
+        str(six),
+        "--prompt",
+        "Mia ran",
+        "--max-new-tokens",
+        "6",
+        "--stats-json",
+        str(python_stats),
+        check=True,
+    )
     ours, theirs = json.loads(cpp_stats.read_text()), json.loads(python_stats.read_text())
     assert set(theirs) - set(ours) == {"text"} and set(ours) <= set(theirs)
     for key in ("tokens", "prompt_tokens", "stop_reason", "prefill_width", "shard_backends", "shard_layers"):
