@@ -29,6 +29,7 @@ expect_clean_error --artifacts "$build/missing" --prompt hi
 expect_clean_error --artifacts "$artifacts" --prompt ""
 expect_clean_error --artifacts "$artifacts" --prompt_ids 1,x
 expect_clean_error --artifacts "$artifacts" --prompt hi --seq_len 100000
+rm -rf "$build/broken"  # a rerun must not nest the copy inside the old one
 cp -r "$artifacts" "$build/broken"
 head -c 1000 "$artifacts/shard_01.pte" >"$build/broken/shard_01.pte"
 expect_clean_error --artifacts "$build/broken" --prompt hi
