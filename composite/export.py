@@ -29,8 +29,9 @@ from composite import manifest as manifest_schema  # noqa: E402
 from composite.config import ExportConfig, Placement, build_config  # noqa: E402
 from composite.errors import UserError, exits_cleanly  # noqa: E402
 from composite.manifest import DECODE, PREFILL  # noqa: E402
-from composite.model.checkpoint import LoadedModel, load_checkpoint  # noqa: E402
+from composite.model.checkpoint import load_checkpoint  # noqa: E402
 from composite.model.llama import cache_shapes  # noqa: E402
+from composite.model.loaded import LoadedModel  # noqa: E402
 from composite.split.plan import ShardSpec, plan_shards  # noqa: E402
 from composite.split.shard import ShardModule, shard_io  # noqa: E402
 from composite.tokenizer import Tokenizer  # noqa: E402

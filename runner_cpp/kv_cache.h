@@ -20,8 +20,6 @@ class KVCache {
   void write(int layer, const float* k_new, const float* v_new, int width, int pos, int count);
   void clear();
 
-  int max_seq_len() const { return max_seq_len_; }
-
  private:
   int kv_heads_, head_dim_, max_seq_len_;
   std::vector<std::vector<float>> k_, v_;
@@ -35,7 +33,6 @@ class AttentionMask {
   // The mask for a call whose first token is at `pos`.
   float* at(int pos);
   float* data() { return values_.data(); }
-  int width() const { return width_; }
 
  private:
   int width_, max_seq_len_;

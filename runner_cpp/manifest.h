@@ -35,7 +35,6 @@ struct ShardInfo {
 
 struct Manifest {
   std::string folder;
-  std::string export_id;
   int dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, vocab_size = 0;
   int max_seq_len = 0;
   std::map<std::string, int> methods;  // name -> tokens per call

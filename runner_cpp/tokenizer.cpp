@@ -1,5 +1,7 @@
 #include "tokenizer.h"
 
+#include <memory>
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <sentencepiece_processor.h>
@@ -138,14 +140,10 @@ class TiktokenTokenizer : public Tokenizer {
     base_tokens_ = static_cast<int>(decoder_.size());
     int error_code = 0;
     PCRE2_SIZE error_offset = 0;
-    regex_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(kLlama3Pattern), PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
-                           &error_code, &error_offset, nullptr);
-    if (regex_ == nullptr) throw RunnerError("PCRE2 cannot compile the Llama 3 pattern");
-    match_ = pcre2_match_data_create_from_pattern(regex_, nullptr);
-  }
-  ~TiktokenTokenizer() override {
-    pcre2_match_data_free(match_);
-    pcre2_code_free(regex_);
+    regex_.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(kLlama3Pattern), PCRE2_ZERO_TERMINATED,
+                               PCRE2_UTF | PCRE2_UCP, &error_code, &error_offset, nullptr));
+    if (!regex_) throw RunnerError("PCRE2 cannot compile the Llama 3 pattern");
+    match_.reset(pcre2_match_data_create_from_pattern(regex_.get(), nullptr));
   }
 
   std::vector<int64_t> encode(const std::string& text, bool bos) const override {
@@ -155,13 +153,13 @@ class TiktokenTokenizer : public Tokenizer {
     PCRE2_SIZE offset = 0;
     while (offset < text.size()) {
       // The first match validates the whole text as UTF-8; later ones need not repeat it.
-      const int rc =
-          pcre2_match(regex_, subject, text.size(), offset, offset == 0 ? 0 : PCRE2_NO_UTF_CHECK, match_, nullptr);
+      const int rc = pcre2_match(regex_.get(), subject, text.size(), offset, offset == 0 ? 0 : PCRE2_NO_UTF_CHECK,
+                                 match_.get(), nullptr);
       if (rc <= PCRE2_ERROR_UTF8_ERR1 && rc >= PCRE2_ERROR_UTF8_ERR21) {
         throw RunnerError("the prompt is not valid UTF-8");
       }
       if (rc < 0) break;
-      const PCRE2_SIZE* span = pcre2_get_ovector_pointer(match_);
+      const PCRE2_SIZE* span = pcre2_get_ovector_pointer(match_.get());
       if (span[1] == span[0]) break;  // the pattern always consumes; guard against a stall
       byte_pair_encode(text.substr(span[0], span[1] - span[0]), &out);
       offset = span[1];
@@ -211,8 +209,9 @@ class TiktokenTokenizer : public Tokenizer {
   std::unordered_map<std::string, int> encoder_;
   std::vector<std::string> decoder_;
   int base_tokens_ = 0;
-  pcre2_code* regex_ = nullptr;
-  pcre2_match_data* match_ = nullptr;
+  // Owned by these handles alone: the tokenizer can be moved but not copied.
+  std::unique_ptr<pcre2_code, decltype(&pcre2_code_free)> regex_{nullptr, pcre2_code_free};
+  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> match_{nullptr, pcre2_match_data_free};
 };
 
 }  // namespace

@@ -7,57 +7,12 @@ back from the lowered program, never assumed from the placement.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from composite.config import Placement
+from composite.lowering.program import LoweredShard, export_methods, finish
 
-
-@dataclass
-class LoweredShard:
-    buffer: bytes
-    delegates: dict[str, dict[str, int]]  # method -> backend id -> number of delegate calls
-    cpu_ops: dict[str, list[str]]  # method -> operators run by ExecuTorch's CPU kernels
-    notes: list[str]  # e.g. linears left unquantized
-
-    @property
-    def backends(self) -> list[str]:
-        return sorted({backend for per_method in self.delegates.values() for backend in per_method})
-
-
-def inspect_program(manager) -> tuple[dict, dict]:
-    program = manager.executorch_program
-    delegates, cpu_ops = {}, {}
-    for plan in program.execution_plan:
-        counts: dict[str, int] = {}
-        ops: set[str] = set()
-        for chain in plan.chains:
-            for instruction in chain.instructions:
-                args = instruction.instr_args
-                if hasattr(args, "delegate_index"):
-                    backend = plan.delegates[args.delegate_index].id
-                    counts[backend] = counts.get(backend, 0) + 1
-                elif hasattr(args, "op_index"):
-                    op = plan.operators[args.op_index]
-                    ops.add(f"{op.name}.{op.overload}" if op.overload else op.name)
-        delegates[plan.name] = counts
-        cpu_ops[plan.name] = sorted(ops)
-    return delegates, cpu_ops
-
-
-def executorch_config():
-    """Graph inputs are not memory-planned: runners bind their own buffers (the KV cache above all)
-    as method inputs, so nothing is copied into the program's arena on each call."""
-    from executorch.exir import ExecutorchBackendConfig
-    from executorch.exir.passes import MemoryPlanningPass
-
-    return ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False))
-
-
-def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) -> dict:
-    with torch.no_grad():
-        return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
+__all__ = ["LoweredShard", "export_methods", "finish", "lower_shard"]
 
 
 def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], placement: Placement):
@@ -70,9 +25,3 @@ def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], place
     else:
         raise ValueError(f"lower_shard does not lower {placement.backend} shards")
     return backend.lower(module, example_inputs, placement.options)
-
-
-def finish(edge, notes: list[str]) -> LoweredShard:
-    manager = edge.to_executorch(executorch_config())
-    delegates, cpu_ops = inspect_program(manager)
-    return LoweredShard(manager.buffer, delegates, cpu_ops, notes)

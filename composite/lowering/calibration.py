@@ -26,7 +26,6 @@ from composite.errors import UserError
 from composite.manifest import DECODE, PREFILL
 
 DEFAULT_SAMPLES = 16
-CALIBRATION_KEYS = ("prompts", "file", "samples")
 
 
 def calibration_text(options: dict) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from executorch.exir import to_edge_transform_and_lower
 
-from composite.lowering import export_methods
+from composite.lowering.program import export_methods
 
 
 def lower(module, example_inputs: dict, options: dict):

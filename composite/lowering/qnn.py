@@ -14,16 +14,10 @@ import fnmatch
 
 import torch
 
+from composite import qnn_host
 from composite.errors import UserError
 
 QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
-
-
-def require_support() -> None:
-    """Fail early, with one line, when this process cannot lower or run QNN shards."""
-    from composite import qnn_host
-
-    qnn_host.activate()
 
 
 def compile_spec(options: dict):
@@ -85,7 +79,7 @@ class QnnShardLowering:
 
         from composite.lowering.htp_graph import htp_form
 
-        require_support()
+        qnn_host.activate()  # fails early, with one line, when this process cannot lower QNN shards
         self.example_inputs, self.options = example_inputs, options
         self.skip_ops = skipped_op_set(options)
         self.skip_ids = set(options.get("skip_node_ids") or [])

@@ -9,7 +9,7 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPar
 from executorch.exir import to_edge_transform_and_lower
 from torch import nn
 
-from composite.lowering import export_methods
+from composite.lowering.program import export_methods
 from composite.model.llama import RMSNorm
 
 

@@ -6,27 +6,18 @@ from __future__ import annotations
 import pickle
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from composite.errors import UserError
+from composite.model.default import load_default
 from composite.model.llama import Transformer
+from composite.model.loaded import LoadedModel
 from composite.model.params import args_from_hf_config, args_from_meta_params, read_json
 
 # Keys found in real checkpoints that carry no weights we need.
 IGNORED_KEYS = ("rope.freqs",)
-
-
-@dataclass
-class LoadedModel:
-    model: Transformer
-    kind: str  # "embedded" | "meta" | "hf"
-    path: str | None  # the checkpoint path as given (None for the embedded default)
-    tokenizer_path: Path | None  # a tokenizer found beside the checkpoint, if any
-    bos_id: int | None = None  # from the checkpoint's own config, when it says
-    eos_ids: tuple[int, ...] = ()
 
 
 def meta_to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -195,8 +186,6 @@ def load_checkpoint(checkpoint: str | None, params: str | None) -> LoadedModel:
     if checkpoint is None:
         if params is not None:
             raise UserError("--params needs --checkpoint")
-        from composite.model.default import load_default
-
         return load_default()
     path = Path(checkpoint)
     if not path.exists():

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from composite.model.checkpoint import LoadedModel
 from composite.model.llama import ModelArgs, Transformer
+from composite.model.loaded import LoadedModel
 from composite.tokenizer import train_sentencepiece
 
 DEFAULT_ARGS = ModelArgs(

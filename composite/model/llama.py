@@ -48,10 +48,6 @@ class ModelArgs:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
-    @property
-    def n_rep(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -1,4 +1,5 @@
 from composite.errors import exits_cleanly
 from composite.qnn_host import main
 
-exits_cleanly(main)()
+if __name__ == "__main__":
+    exits_cleanly(main)()

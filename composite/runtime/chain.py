@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from composite import manifest as manifest_schema
+from composite import qnn_host
 from composite.errors import UserError
 from composite.runtime.kv_cache import AttentionMask, KVCache
 
@@ -87,9 +88,7 @@ class ShardChain(Chain):
         self.manifest = manifest_schema.read(self.folder)
         manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
         if any(shard["placement"]["backend"] == "qnn" for shard in self.manifest["shards"]):
-            from composite.lowering import qnn
-
-            qnn.require_support()
+            qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
         runtime = Runtime.get()
         started = time.perf_counter()
         runners = []
