@@ -5,7 +5,10 @@ setup(
     version="0.1.0",
     description="Split LLaMA into ExecuTorch shards across Qualcomm QNN HTP and XNNPACK, and run the chain",
     packages=find_packages(include=["composite", "composite.*"]),
-    package_data={"composite.model": ["data/*.txt"], "composite.qnn_host": ["htp_abi_shim.c"]},
+    package_data={
+        "composite.model": ["data/*.txt"],
+        "composite.qnn_host": ["htp_abi_shim.c", "qnn_interface_layout.h"],
+    },
     python_requires=">=3.10",
     install_requires=[
         # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.

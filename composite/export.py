@@ -232,7 +232,10 @@ def lower_all(
         for spec, placement, module in zip(specs, placements, modules):
             if placement.backend == "qnn":
                 qnn_jobs[spec.index] = QnnShardLowering(
-                    module, method_inputs(model.args, spec, config), placement.options
+                    module,
+                    method_inputs(model.args, spec, config),
+                    placement.options,
+                    n_positions=config.max_seq_len + config.prefill_len,
                 )
         started = time.perf_counter()
         held_out = calibrate_qnn_shards(loaded, modules, qnn_jobs, config, tokenizer)

@@ -6,17 +6,17 @@
 #include <cstring>
 
 #include "error.h"
+#include "qnn_interface_layout.h"
 
 namespace composite {
 
 namespace {
-// From QNN's public ABI: QnnInterface_getProviders hands out QnnInterface_t records whose
-// function table starts after backendId, providerName and apiVersion (40 bytes); the fifth
-// function is backendGetBuildId. Declared here so no QNN header is needed.
+// QnnInterface_getProviders and backendGetBuildId, declared here so no QNN header is needed; where
+// the latter sits comes from qnn_interface_layout.h.
 using GetProviders = uint64_t (*)(const void*** providers, uint32_t* count);
 using GetBuildId = uint64_t (*)(const char** build_id);
-constexpr size_t kFunctionTableOffset = 40;
-constexpr size_t kBackendGetBuildIdIndex = 4;
+constexpr size_t kFunctionTableOffset = COMPOSITE_QNN_FUNCTION_TABLE_OFFSET;
+constexpr size_t kBackendGetBuildIdIndex = COMPOSITE_QNN_BACKEND_GET_BUILD_ID_INDEX;
 }  // namespace
 
 std::string qnn_runtime_build_id() {

@@ -21,6 +21,9 @@ from composite.export import run_export  # noqa: E402
 from composite.model.llama import ModelArgs, Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+# The host runner every test runs (scripts/build_runner.sh builds it); COMPOSITE_BUILD_DIR points
+# the tests at another build, e.g. the sanitizer one.
+RUNNER = Path(os.environ.get("COMPOSITE_BUILD_DIR", REPO / "build")) / "composite_runner"
 FP16_PLACEMENT = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]
 SHARD_COUNTS = (1, 2, 3, 6)
 PREFILL_LEN = 12  # a 32-token prompt then takes two full chunks and one padded chunk
@@ -54,14 +57,21 @@ def run_cli(module: str, *args: str, check: bool = False) -> subprocess.Complete
     return result
 
 
-def assert_clean_failure(result: subprocess.CompletedProcess, *phrases: str, output: Path | None = None) -> None:
-    """One `error:` line naming `phrases`, exit 2, no traceback; no export folder or staging left."""
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """Exit 2 with exactly one `error:` line, and no traceback or crash; returns that line."""
+    assert result.returncode == 2, (result.returncode, result.stdout + result.stderr)
+    for crash in ("Traceback", "Segmentation", "terminate called"):
+        assert crash not in result.stderr, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess, *phrases: str, output: Path | None = None) -> None:
+    """One `error:` line naming `phrases`, exit 2, no traceback; no export folder or staging left."""
+    line = one_error_line(result)
     for phrase in phrases:
-        assert phrase in lines[0], lines[0]
+        assert phrase in line, line
     if output is not None:
         assert not output.exists()
         assert not list(output.parent.glob(f".{output.name}.partial-*"))

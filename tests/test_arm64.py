@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, export, run_cli
+from conftest import REPO, RUNNER, export, run_cli
 
 ARM_RUNNER = REPO / "build-arm64" / "composite_runner"
-X86_RUNNER = REPO / "build" / "composite_runner"
 QEMU = shutil.which("qemu-aarch64-static")
 NEW_TOKENS = 32
 PROMPT = "Once upon a time"
@@ -32,7 +31,7 @@ def arm64_ready():
         for what, ok in (
             ("scripts/build_arm64.sh has not built build-arm64/composite_runner", ARM_RUNNER.exists()),
             ("qemu-aarch64-static is not installed", QEMU is not None),
-            ("build/composite_runner is not built", X86_RUNNER.exists()),
+            ("build/composite_runner is not built", RUNNER.exists()),
         )
         if not ok
     ]
@@ -73,7 +72,7 @@ def test_arm64_runner_generates_the_x86_tokens(arm64_ready, workdir, default_exp
     )
     # -L /: Debian's arm64 multiarch libraries are the guest's root (see scripts/build_arm64.sh).
     arm, arm_speed = tokens([QEMU, "-L", "/", str(ARM_RUNNER)], folder, tmp_path / "arm.json")
-    x86, x86_speed = tokens([str(X86_RUNNER)], folder, tmp_path / "x86.json")
+    x86, x86_speed = tokens([str(RUNNER)], folder, tmp_path / "x86.json")
     print(f"{quantize}: decode {arm_speed:.1f} tok/s emulated aarch64, {x86_speed:.1f} tok/s x86")
     assert len(arm) == NEW_TOKENS
     assert arm == x86
@@ -155,7 +154,7 @@ def test_pushed_bundle_starts_with_only_the_c_runtime(arm64_ready, default_expor
     assert any(path.endswith("/libexecutorch.so") for path in loaded)
     strays = [path for path in loaded if not path.startswith(str(pushed) + "/") and Path(path).name not in C_RUNTIME]
     assert not strays, f"loaded from outside the pushed folder: {strays}"
-    x86, _ = tokens([str(X86_RUNNER)], folder, tmp_path / "x86.json")
+    x86, _ = tokens([str(RUNNER)], folder, tmp_path / "x86.json")
     assert json.loads(stats.read_text())["tokens"] == x86
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import itertools
 import json
-import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -17,11 +16,9 @@ from composite.model.default import corpus_text
 from composite.runtime.reference import generate_reference, reference_model
 from composite.runtime.sampler import Sampler
 from composite.tokenizer import Tokenizer
-from conftest import REPO, run_cli
+from conftest import RUNNER, one_error_line, run_cli
 
-BUILD = Path(os.environ.get("COMPOSITE_BUILD_DIR", REPO / "build"))
-RUNNER = BUILD / "composite_runner"
-TOKENIZE = BUILD / "composite_tokenize"
+TOKENIZE = RUNNER.parent / "composite_tokenize"
 NEW_TOKENS = 64
 
 pytestmark = pytest.mark.skipif(not RUNNER.exists(), reason=f"{RUNNER} not built (scripts/build_runner.sh)")
@@ -154,14 +151,6 @@ def test_cpp_tokenizers_equal_python(tmp_path, default_tokenizer, kind):
         assert cpp["ids"] == expected, text
         decoded = python.decode(expected[1:])
         assert cpp["text"] == decoded or cpp["text"] == text, (text, cpp["text"], decoded)
-
-
-def one_error_line(result) -> str:
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, result.stderr
-    assert "Segmentation" not in result.stderr and "terminate called" not in result.stderr
-    return lines[0]
 
 
 def copy_export(folder: Path, target: Path) -> Path:

@@ -13,9 +13,8 @@ import sys
 import pytest
 
 from composite.report import read_stats, render
-from conftest import REPO
+from conftest import REPO, RUNNER, one_error_line
 
-RUNNER = REPO / "build" / "composite_runner"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -114,13 +113,6 @@ def fake_adb(folder, devices: list[str]):
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return {**os.environ, "PATH": f"{folder}:/usr/bin:/bin"}
-
-
-def one_error_line(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def test_missing_adb_says_how_to_get_it(tmp_path):

@@ -13,9 +13,8 @@ import time
 import pytest
 
 from composite.config import build_config
-from conftest import REPO, assert_clean_failure, run_cli
+from conftest import REPO, RUNNER, assert_clean_failure, run_cli
 
-RUNNER = REPO / "build" / "composite_runner"
 needs_runner = pytest.mark.skipif(not RUNNER.is_file(), reason="composite_runner is not built")
 
 

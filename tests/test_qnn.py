@@ -21,7 +21,9 @@ from conftest import (
     MAX_SEQ_LEN,
     PREFILL_LEN,
     REPO,
+    RUNNER,
     export,
+    one_error_line,
     run_cli,
     write_meta_checkpoint,
 )
@@ -133,7 +135,7 @@ def greedy_tokens(*args: str) -> list[int]:
 def test_fp16_generation_equals_eager_in_both_runners(qnn_fp16_export):
     reference = greedy_tokens("--artifacts", str(qnn_fp16_export), "--reference")
     assert greedy_tokens("--artifacts", str(qnn_fp16_export)) == reference
-    runner = REPO / "build" / "composite_runner"
+    runner = RUNNER
     if not runner.exists():
         pytest.skip("composite_runner is not built (scripts/build_runner.sh)")
     stats = qnn_fp16_export.parent / "qnn_fp16_stats.json"
@@ -213,9 +215,7 @@ def export_error(*args: str, env: dict | None = None) -> subprocess.CompletedPro
     result = subprocess.run(
         [sys.executable, "-m", "composite.export", *args], capture_output=True, text=True, cwd=REPO, env=env
     )
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    one_error_line(result)
     return result
 
 
@@ -312,7 +312,7 @@ def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, tmp_path, pre
     assert python.stderr.strip().splitlines() == [python.stderr.strip()] and python.stderr.startswith("prompt ")
     cpp = subprocess.run(
         [
-            str(REPO / "build" / "composite_runner"),
+            str(RUNNER),
             "--artifacts",
             str(out),
             "--prompt",

@@ -81,17 +81,16 @@ def calibrate(
     chain = eager_chain(model, shard_modules, methods, max_seq_len)
     held_out: dict[int, dict[str, tuple]] = {index: {} for index in consumers}
     holding_out = False
-    for index, consume in consumers.items():
-        for method, run in list(chain.runners[index].items()):
 
-            def feeding(inputs, run=run, method=method, consume=consume, store=held_out[index]):
-                if holding_out:
-                    store.setdefault(method, tuple(t.clone() for t in inputs))
-                else:
-                    consume(method, tuple(inputs))
-                return run(inputs)
+    def observe(index: int, method: str, inputs: list) -> None:
+        if index not in consumers:
+            return
+        if holding_out:
+            held_out[index].setdefault(method, tuple(t.clone() for t in inputs))
+        else:
+            consumers[index](method, tuple(inputs))
 
-            chain.runners[index][method] = feeding
+    chain.input_observer = observe
 
     # Each pass: prefill chunks over the first half of the cache, then decode steps to its end,
     # so inputs come with caches partly filled, as in real use.

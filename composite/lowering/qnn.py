@@ -74,7 +74,9 @@ class QnnShardLowering:
     built (HTP-friendly form; for quantized precisions also observers inserted per method), then
     calibrated (the export feeds `observers` the shard's real inputs), then `lower`ed."""
 
-    def __init__(self, module, example_inputs: dict, options: dict):
+    def __init__(self, module, example_inputs: dict, options: dict, n_positions: int):
+        """n_positions: how many rotary positions the shard can be asked for, the cache length plus
+        the widest call (the padded tail of a last prefill chunk sits past the cache)."""
         from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
         from composite.lowering.htp_graph import htp_form
@@ -83,9 +85,6 @@ class QnnShardLowering:
         self.example_inputs, self.options = example_inputs, options
         self.skip_ops = skipped_op_set(options)
         self.skip_ids = set(options.get("skip_node_ids") or [])
-        # Positions run up to cache length + call width (the padded tail of the last prefill
-        # chunk); the mask input [T, S + T] carries exactly that.
-        n_positions = max(inputs[2].shape[-1] if len(inputs) > 2 else 1 for inputs in example_inputs.values())
         htp = htp_form(module, n_positions, linear_as_conv="aten.linear.default" not in self.skip_ops).eval()
         self.calibrated = {method: 0 for method in example_inputs}
         if options["precision"] == "fp16":

@@ -15,9 +15,11 @@ process that needs QNN re-executes itself once with the environment this module 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +39,16 @@ INSTALL_HINT = (
     "or point QNN_SDK_ROOT at a Qualcomm AI Engine Direct SDK"
 )
 SHIM_SOURCE = Path(__file__).with_name("htp_abi_shim.c")
+LAYOUT_HEADER = Path(__file__).with_name("qnn_interface_layout.h")
+
+
+def interface_layout() -> dict[str, int]:
+    """The QNN ABI positions written once in qnn_interface_layout.h (the C side includes it)."""
+    return {
+        name: int(value) for name, value in re.findall(r"#define (COMPOSITE_QNN_\w+) (\d+)", LAYOUT_HEADER.read_text())
+    }
+
+
 HOST_LIB_SUBDIR = Path("lib") / "x86_64-linux-clang"
 ACTIVE_MARKER = "COMPOSITE_QNN_HOST"  # set in the environment of a process whose loader path is ready
 REAL_HTP_VARIABLE = "COMPOSITE_QNN_REAL_HTP"  # the shim loads the real libQnnHtp.so from this path
@@ -84,11 +96,16 @@ def _source_libraries() -> tuple[Path, tuple[Path, ...], str]:
     return real, (package, package.parent / "onnxruntime_qnn.libs"), f"onnxruntime-qnn {distribution.version}"
 
 
+@functools.cache
 def read_build_id(real_htp: Path) -> str:
-    """Ask the library itself (QnnInterface_getProviders → backendGetBuildId), in a child process:
-    once the real library is loaded under its soname, a later dlopen("libQnnHtp.so") in the same
-    process would get it instead of the shim."""
-    result = subprocess.run([sys.executable, "-c", _BUILD_ID_PROBE, str(real_htp)], capture_output=True, text=True)
+    """Ask the library itself (QnnInterface_getProviders → backendGetBuildId), once per process and
+    library, in a child process: once the real library is loaded under its soname, a later
+    dlopen("libQnnHtp.so") in the same process would get it instead of the shim."""
+    layout = interface_layout()
+    slot = layout["COMPOSITE_QNN_FUNCTION_TABLE_OFFSET"] + 8 * layout["COMPOSITE_QNN_BACKEND_GET_BUILD_ID_INDEX"]
+    result = subprocess.run(
+        [sys.executable, "-c", _BUILD_ID_PROBE, str(real_htp), str(slot)], capture_output=True, text=True
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("build-id ")]
     if result.returncode != 0 or not lines:
         detail = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -103,9 +120,8 @@ providers = ctypes.POINTER(ctypes.c_void_p)()
 count = ctypes.c_uint32()
 if library.QnnInterface_getProviders(ctypes.byref(providers), ctypes.byref(count)) != 0 or count.value == 0:
     sys.exit("no QNN interface provider")
-# QnnInterface_t: backendId, providerName, apiVersion (40 bytes), then functions; the 5th is
-# backendGetBuildId.
-function = ctypes.c_void_p.from_address(providers[0] + 40 + 8 * 4).value
+# argv[2]: the byte offset of backendGetBuildId in a QnnInterface_t (qnn_interface_layout.h)
+function = ctypes.c_void_p.from_address(providers[0] + int(sys.argv[2])).value
 get_build_id = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.POINTER(ctypes.c_char_p))(function)
 build_id = ctypes.c_char_p()
 if get_build_id(ctypes.byref(build_id)) != 0 or not build_id.value:
@@ -128,6 +144,7 @@ def _compile_shim(target: Path) -> None:
     partial = target.with_suffix(".partial")
     command = [
         compiler,
+        f"-I{LAYOUT_HEADER.parent}",
         "-O2",
         "-shared",
         "-fPIC",
@@ -154,7 +171,7 @@ def prepare() -> QnnHost:
             f"QNN host libraries {build_id} from {source} are not verified with composite "
             f"(verified: {verified}); install {ONNXRUNTIME_QNN_PIN} or set COMPOSITE_QNN_ALLOW_UNVERIFIED=1"
         )
-    shim_digest = hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:12]
+    shim_digest = hashlib.sha256(SHIM_SOURCE.read_bytes() + LAYOUT_HEADER.read_bytes()).hexdigest()[:12]
     location = hashlib.sha256(str(real_htp.resolve()).encode()).hexdigest()[:8]
     root = cache_dir() / "qnn-host" / f"{build_id}-{location}-{shim_digest}"
     lib_dir = root / HOST_LIB_SUBDIR

@@ -17,19 +17,21 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "qnn_interface_layout.h"
+
 typedef uint64_t qnn_error_t;
 typedef qnn_error_t (*get_providers_fn)(const void ***providers, uint32_t *count);
 typedef qnn_error_t (*device_create_fn)(void *logger, const void **configs, void **device);
 
 enum {
-  PROVIDER_FUNCTIONS_OFFSET = 40,          /* backendId, providerName, apiVersion */
-  DEVICE_CREATE_INDEX = 40,                /* position of deviceCreate among the functions */
-  PROVIDER_COPY_BYTES = 40 + 8 * 160,      /* covers every function slot ExecuTorch can read */
+  PROVIDER_FUNCTIONS_OFFSET = COMPOSITE_QNN_FUNCTION_TABLE_OFFSET,
+  DEVICE_CREATE_INDEX = COMPOSITE_QNN_DEVICE_CREATE_INDEX,
+  PROVIDER_COPY_BYTES = COMPOSITE_QNN_FUNCTION_TABLE_OFFSET + 8 * 160, /* every slot ExecuTorch can read */
   MAX_PROVIDERS = 8,
   MAX_DEVICE_CONFIGS = 64,
   DEVICE_CONFIG_OPTION_CUSTOM = 0,
-  OLD_PAYLOAD_OFFSET = 4,
-  NEW_PAYLOAD_OFFSET = 8,
+  OLD_PAYLOAD_OFFSET = COMPOSITE_QNN_OLD_PAYLOAD_OFFSET,
+  NEW_PAYLOAD_OFFSET = COMPOSITE_QNN_NEW_PAYLOAD_OFFSET,
   PAYLOAD_BYTES = 8,                        /* largest member of the 2.37 union */
 };
 

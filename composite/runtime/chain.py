@@ -36,6 +36,9 @@ class Chain:
         self.masks = {name: AttentionMask(n, max_seq_len, mask_hidden) for name, n in self.methods.items()}
         self.shard_seconds = [0.0] * len(shards)
         self.kv_write_seconds = 0.0
+        # Called with (shard index, method, inputs) before each shard runs; calibration records
+        # the inputs quantized shards really receive this way.
+        self.input_observer: Callable[[int, str, list], None] | None = None
 
     def forward(self, method: str, tokens: list[int], pos: int) -> torch.Tensor:
         """Logits [vocab] of the last of `tokens` (at most the method's T) placed at positions pos.."""
@@ -58,6 +61,8 @@ class Chain:
                     inputs += [self.cache.k[layer], self.cache.v[layer]]
             if shard["has_head"] and width > 1:
                 inputs.append(torch.tensor([count - 1], dtype=torch.int64))
+            if self.input_observer is not None:
+                self.input_observer(shard["index"], method, inputs)
             started = time.perf_counter()
             outputs = runners[method](inputs)
             self.shard_seconds[shard["index"]] += time.perf_counter() - started
