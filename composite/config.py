@@ -250,3 +250,38 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
         raise UserError("layers_per_shard must be a list of integers, one per shard")
     config.placements()  # validate now, before any slow work
     return config
+
+
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got '{text}'") from None
+
+
+def config_from_flags(args) -> ExportConfig:
+    """The config of `python -m composite.export`: its YAML (--config), then its flags."""
+    placement = None
+    if args.placement is not None:
+        names = [x.strip() for x in args.placement.split(",")]
+        placement = names[0] if len(names) == 1 else names
+    overrides = {
+        "shards": args.shards,
+        "placement": placement,
+        "layers_per_shard": _int_list(args.layers_per_shard, "--layers-per-shard"),
+        "checkpoint": args.checkpoint,
+        "params": args.params,
+        "tokenizer": args.tokenizer,
+        "max_seq_len": args.max_seq_len,
+        "prefill_len": args.prefill_len,
+        "output": args.output,
+    }
+    config = build_config(args.config, overrides)
+    if args.quantize is not None:
+        config.xnnpack["quantize"] = args.quantize
+    if args.group_size is not None:
+        config.xnnpack["group_size"] = args.group_size
+    config.placements()
+    return config

@@ -54,14 +54,18 @@ FILENAME = "manifest.json"
 MASK_HIDDEN = -30000.0  # finite so fp16 backends represent it; exp() of it is 0 in fp32
 DECODE, PREFILL = "decode", "prefill"
 
-DTYPE_NAMES = {
-    "torch.float32": "float32",
-    "torch.int64": "int64",
-    "torch.float16": "float16",
-    "torch.uint8": "uint8",
-    "torch.uint16": "uint16",
-    "torch.int32": "int32",
+# The dtypes the manifest names, as torch spells them and as ExecuTorch's ScalarType numbers them
+# (runner_cpp/shard_chain.cpp maps the same names for the C++ runtime).
+DTYPES = {
+    "float32": ("torch.float32", 6),
+    "float16": ("torch.float16", 5),
+    "int64": ("torch.int64", 4),
+    "int32": ("torch.int32", 3),
+    "uint8": ("torch.uint8", 0),
+    "uint16": ("torch.uint16", 27),
 }
+DTYPE_NAMES = {torch_name: name for name, (torch_name, _) in DTYPES.items()}
+SCALAR_TYPE_NAMES = {code: name for name, (_, code) in DTYPES.items()}
 
 
 def dtype_name(dtype) -> str:
@@ -90,6 +94,91 @@ def _standard_json(value):
     if isinstance(value, list):
         return [_standard_json(v) for v in value]
     return value
+
+
+def shard_entry(path: Path, spec, placement, lowered, io: dict, seconds: float) -> dict:
+    """The manifest's record of one written shard file. spec: split.plan.ShardSpec; placement:
+    config.Placement; lowered: lowering.program.LoweredShard; io: method -> inputs/outputs."""
+    return {
+        "index": spec.index,
+        "file": path.name,
+        "sha256": sha256_file(path),
+        "size": path.stat().st_size,
+        "layers": [spec.layer_start, spec.layer_end],
+        "has_embedding": spec.has_embedding,
+        "has_head": spec.has_head,
+        "placement": {"backend": placement.backend, "options": placement.options},
+        "backends": lowered.backends,
+        "delegates": lowered.delegates,
+        "cpu_ops": lowered.cpu_ops,
+        "io": io,
+        "export_seconds": round(seconds, 2),
+        "notes": lowered.notes,
+    }
+
+
+def document(
+    *,
+    export_id: str,
+    model: dict,
+    source: dict,
+    max_seq_len: int,
+    prefill_len: int,
+    cache_shapes: tuple,
+    tokenizer: dict | None,
+    bos_id: int | None,
+    eos_ids: list[int],
+    shards: list[dict],
+    qnn: dict | None,
+    versions: dict,
+) -> dict:
+    """The whole manifest, as the schema above describes it."""
+    k_shape, v_shape = cache_shapes
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "export_id": export_id,
+        "model": model,
+        "source": source,
+        "max_seq_len": max_seq_len,
+        "methods": {DECODE: 1, PREFILL: prefill_len},
+        "kv_cache": {
+            "dtype": "float32",
+            "k_shape": list(k_shape),
+            "v_shape": list(v_shape),
+            "k_new_shape": "[n_kv_heads, head_dim, T]",
+            "v_new_shape": "[n_kv_heads, T, head_dim]",
+        },
+        "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": MASK_HIDDEN},
+        "tokenizer": tokenizer,
+        "bos_id": bos_id,
+        "eos_ids": eos_ids,
+        "shards": shards,
+        "qnn": qnn,
+        "versions": versions,
+    }
+
+
+def check_against_program(program, shard: dict) -> None:
+    """A lowered program's own method metadata must match what the manifest promises for it
+    (program: an executorch.runtime Program)."""
+    for method, io in shard["io"].items():
+        meta = program.metadata(method)
+        for kind, count, get in (
+            ("inputs", meta.num_inputs(), meta.input_tensor_meta),
+            ("outputs", meta.num_outputs(), meta.output_tensor_meta),
+        ):
+            expected = io[kind]
+            if count != len(expected):
+                raise RuntimeError(f"shard {shard['index']} {method}: {count} {kind}, manifest says {len(expected)}")
+            for i, entry in enumerate(expected):
+                info = get(i)
+                dtype = SCALAR_TYPE_NAMES.get(int(info.dtype()), str(info.dtype()))
+                if list(info.sizes()) != entry["shape"] or dtype != entry["dtype"]:
+                    raise RuntimeError(
+                        f"shard {shard['index']} {method} {kind[:-1]} {entry['name']}: program has "
+                        f"{list(info.sizes())} {dtype}, manifest says {entry['shape']} {entry['dtype']}"
+                    )
 
 
 def write(folder: Path, manifest: dict) -> None:

@@ -8,14 +8,11 @@ import platform
 import sys
 from pathlib import Path
 
+from composite import manifest as manifest_schema
 from composite import quiet
-
-quiet.silence_library_noise()
-
-from composite import manifest as manifest_schema  # noqa: E402
-from composite.errors import UserError, exits_cleanly  # noqa: E402
-from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, generate, stats  # noqa: E402
-from composite.runtime.sampler import Sampler, fresh_seed  # noqa: E402
+from composite.errors import UserError, exits_cleanly
+from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, generate, stats
+from composite.runtime.sampler import Sampler, fresh_seed
 
 
 def parse_args(argv):
@@ -116,6 +113,8 @@ class TextStream:
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if not args.verbose:
+        quiet.silence_library_noise()
     if not 0.0 < args.top_p <= 1.0:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p:g}")
     if args.temperature < 0:

@@ -4,6 +4,7 @@ Hugging Face tokenizer.json (Python runner only)."""
 from __future__ import annotations
 
 import base64
+import sys
 from pathlib import Path
 
 from composite.errors import UserError
@@ -110,3 +111,22 @@ def train_sentencepiece(text: str, vocab_size: int) -> bytes:
         minloglevel=2,
     )
     return model.getvalue()
+
+
+def tokenizer_for_model(path: str | Path | None, vocab: int) -> Tokenizer | None:
+    """The tokenizer an export ships: the one given or found beside the checkpoint, checked against
+    the model's vocabulary."""
+    if path is None:
+        print("note: no tokenizer found beside the checkpoint; runners will need --prompt-ids", file=sys.stderr)
+        return None
+    tokenizer = Tokenizer(Path(path))
+    if tokenizer.vocab_size > vocab:
+        raise UserError(
+            f"tokenizer {path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {vocab}: "
+            "wrong tokenizer for this checkpoint?"
+        )
+    if tokenizer.vocab_size < vocab:
+        print(
+            f"note: tokenizer has {tokenizer.vocab_size} tokens, the model {vocab} (padded vocabulary)", file=sys.stderr
+        )
+    return tokenizer

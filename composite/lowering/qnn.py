@@ -11,11 +11,16 @@ with multi-context enabled so that one spill-fill size, computed over all QNN sh
 from __future__ import annotations
 
 import fnmatch
+import json
+import time
 
 import torch
+from executorch.runtime import Runtime
 
 from composite import qnn_host
 from composite.errors import UserError
+from composite.lowering.calibration import calibrate, sqnr_db
+from composite.lowering.program import LoweredShard, finish
 
 QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
 
@@ -182,3 +187,73 @@ def share_spill_fill(edges: list) -> tuple[int, list[int]]:
     every = [m for edge in edges for m in qnn_backend_modules(edge)]
     shared = int(update_spill_fill_size(every)) if every else 0
     return shared, own
+
+
+class QnnShards:
+    """Every QNN shard of one export, handled together where they must be: built, then calibrated
+    in shared passes of the float chain (shards with the same calibration options share one), then
+    lowered one by one, then given one spill-fill size, then measured (SQNR against the float shard
+    on an input calibration never saw)."""
+
+    def __init__(
+        self,
+        model,
+        modules: list,
+        jobs: dict[int, QnnShardLowering],
+        methods: dict[str, int],
+        max_seq_len: int,
+        tokenizer,
+    ):
+        self.modules, self.jobs = modules, jobs
+        self.lowered: dict[int, tuple] = {}  # shard index -> (edge program, notes), until finish()
+        started = time.perf_counter()
+        self.held_out = self._calibrate(model, methods, max_seq_len, tokenizer)
+        quantized = any(job.quantized for job in jobs.values())
+        self.calibration_seconds = round(time.perf_counter() - started, 2) if quantized else None
+
+    def _calibrate(self, model, methods: dict[str, int], max_seq_len: int, tokenizer) -> dict[int, dict]:
+        groups: dict[str, dict[int, QnnShardLowering]] = {}
+        for index, job in self.jobs.items():
+            groups.setdefault(json.dumps(job.options.get("calibration") or {}, sort_keys=True), {})[index] = job
+        held_out = {}
+        for key, group in groups.items():
+            consumers = {
+                index: job.observe if job.quantized else (lambda method, inputs: None) for index, job in group.items()
+            }
+            options = json.loads(key)
+            if not any(job.quantized for job in group.values()):
+                options["samples"] = 0  # fp16 shards need only the held-out input, to measure SQNR
+            held_out.update(calibrate(model, self.modules, consumers, methods, max_seq_len, options, tokenizer))
+        return held_out
+
+    def lower(self, index: int) -> None:
+        self.lowered[index] = self.jobs.pop(index).lower()  # the prepared graphs go once lowered
+
+    def finish(self, output_names: dict[int, dict[str, list[str]]]) -> tuple[dict[int, tuple], dict]:
+        """output_names: shard index -> method -> its outputs' names. -> ({shard index:
+        (LoweredShard, own spill-fill bytes, SQNR per method and output)}, the manifest's qnn summary)."""
+        indices = sorted(self.lowered)
+        shared, own = share_spill_fill([self.lowered[i][0] for i in indices])
+        host = qnn_host.prepare()
+        results = {}
+        for index, own_bytes in zip(indices, own):
+            shard = finish(*self.lowered.pop(index))
+            results[index] = (shard, own_bytes, self.measure(shard, index, output_names[index]))
+        summary = {
+            "build_id": host.build_id,
+            "libraries": host.source,
+            "spill_fill_bytes": shared,
+            "calibration_seconds": self.calibration_seconds,
+        }
+        return results, summary
+
+    def measure(self, shard: LoweredShard, index: int, names: dict[str, list[str]]) -> dict[str, dict[str, float]]:
+        """method -> output name -> SQNR (dB) of the lowered shard against the float shard."""
+        program = Runtime.get().load_program(shard.buffer)
+        result = {}
+        for method, inputs in self.held_out[index].items():
+            actual = program.load_method(method).execute(list(inputs))
+            with torch.no_grad():
+                expected = self.modules[index](*inputs)
+            result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(names[method], expected, actual)}
+        return result
