@@ -51,6 +51,7 @@ from composite.errors import UserError
 FORMAT = "composite-manifest"
 VERSION = 1
 FILENAME = "manifest.json"
+FLOAT32_MAX = 3.4028234663852886e38
 MASK_HIDDEN = -30000.0  # finite so fp16 backends represent it; exp() of it is 0 in fp32
 DECODE, PREFILL = "decode", "prefill"
 
@@ -186,46 +187,165 @@ def write(folder: Path, manifest: dict) -> None:
     (folder / FILENAME).write_text(text + "\n", encoding="utf-8")
 
 
-def _fail(folder: Path, what: str):
-    raise UserError(f"{folder / FILENAME}: {what}")
-
-
 def read(folder: Path) -> dict:
-    """Parse and check the structure runners rely on; file checks are `check_files`."""
+    """Load and check `folder`/manifest.json (file checks are `check_files`)."""
     folder = Path(folder)
-    path = folder / FILENAME
     if not folder.is_dir():
         raise UserError(f"artifacts folder {folder} does not exist")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        text = (folder / FILENAME).read_bytes().decode("utf-8", "replace")
     except FileNotFoundError:
-        raise UserError(f"{path} does not exist: is {folder} an export folder?") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
+        raise UserError(f"{folder}/{FILENAME} does not exist: is {folder} an export folder?") from None
+    except OSError as e:
+        raise UserError(f"cannot read {folder}/{FILENAME}: {e.strerror}") from None
+    return parse(text, str(folder))
+
+
+# The checks below are runner_cpp/manifest.cpp's parse_manifest, in the same order and with the
+# same messages: both runners accept and refuse the same manifests (tests/manifests holds cases).
+
+
+def _dump(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _require(obj, key: str, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise UserError(f"{where} has no '{key}'")
+    return obj[key]
+
+
+def _integer(value, what: str, bits: int = 32) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UserError(f"{what} must be an integer, got {_dump(value)}")
+    if not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+        raise UserError(f"{what} is out of range: {_dump(value)}")
+    return value
+
+
+def _integers(value, what: str, bits: int = 64) -> list[int]:
+    if not isinstance(value, list):
+        raise UserError(f"{what} must be a list of integers")
+    return [_integer(v, what, bits) for v in value]
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise UserError(f"{what} must be a string, got {_dump(value)}")
+    return value
+
+
+def _boolean(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise UserError(f"{what} must be true or false, got {_dump(value)}")
+    return value
+
+
+def _require_int(obj, key: str, where: str) -> int:
+    return _integer(_require(obj, key, where), f"{where} '{key}'")
+
+
+def _require_text(obj, key: str, where: str) -> str:
+    return _text(_require(obj, key, where), f"{where} '{key}'")
+
+
+def _check_tensors(value, where: str) -> None:
+    if not isinstance(value, list):
+        raise UserError(f"{where} is not a list")
+    for tensor in value:
+        name = _require_text(tensor, "name", where)
+        shape = _integers(_require(tensor, "shape", where), f"{where} shape")
+        _require_text(tensor, "dtype", where)
+        if any(d <= 0 for d in shape):
+            raise UserError(f"{where}: tensor {name} has a non-positive dimension")
+
+
+def parse(text: str, folder: str) -> dict:
+    where = f"{folder}/{FILENAME}"
+    try:
+        j = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"{path} is malformed JSON: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        _fail(folder, f"not a composite manifest (format is not '{FORMAT}')")
-    if manifest.get("version") != VERSION:
-        _fail(folder, f"manifest version {manifest.get('version')!r} is not supported (this composite reads {VERSION})")
-    for key in ("model", "max_seq_len", "methods", "kv_cache", "mask", "shards", "eos_ids", "export_id"):
-        if key not in manifest:
-            _fail(folder, f"missing '{key}'")
-    shards = manifest["shards"]
+        raise UserError(f"{where} is malformed JSON: {e}") from None
+    if not isinstance(j, dict) or j.get("format") != FORMAT:
+        raise UserError(f"{where} is not a composite manifest")
+    version = j.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version != VERSION:
+        shown = "null" if version is None else _dump(version)
+        raise UserError(f"{where}: manifest version {shown} is not supported (this runner reads {VERSION})")
+    _require(j, "export_id", where)
+    model = _require(j, "model", where)
+    dims = {
+        key: _require_int(model, key, f"{where} model")
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
+    }
+    max_seq_len = _require_int(j, "max_seq_len", where)
+    if max_seq_len < 2 or dims["vocab_size"] < 1 or dims["n_layers"] < 0:
+        raise UserError(f"{where}: max_seq_len, vocab_size or n_layers is out of range")
+    methods = _require(j, "methods", where)
+    if not isinstance(methods, dict):
+        raise UserError(f"{where}: 'methods' must map method names to widths")
+    widths = {name: _integer(width, f"{where} method {name}") for name, width in sorted(methods.items())}
+    if widths.get(DECODE) != 1:
+        raise UserError(f"{where}: needs a 'decode' method of 1 token per call")
+    for name, width in sorted(widths.items()):
+        if not 1 <= width <= max_seq_len:
+            raise UserError(f"{where}: method {name} has an invalid width")
+    kv = _require(j, "kv_cache", where)
+    if _require_text(kv, "dtype", f"{where} kv_cache") != "float32":
+        raise UserError(f"{where}: only float32 KV caches are supported by this runner")
+    k_shape = _integers(_require(kv, "k_shape", f"{where} kv_cache"), f"{where} kv_cache k_shape")
+    v_shape = _integers(_require(kv, "v_shape", f"{where} kv_cache"), f"{where} kv_cache v_shape")
+    kv_heads, head_dim = dims["n_kv_heads"], dims["head_dim"]
+    if k_shape != [kv_heads, head_dim, max_seq_len] or v_shape != [kv_heads, max_seq_len, head_dim]:
+        raise UserError(f"{where}: kv_cache shapes do not match the model and max_seq_len")
+    hidden = _require(_require(j, "mask", where), "hidden", f"{where} mask")
+    if isinstance(hidden, bool) or not isinstance(hidden, (int, float)) or not abs(hidden) <= FLOAT32_MAX:
+        raise UserError(f"{where}: mask 'hidden' must be a finite float32 number")
+    tokenizer = _require(j, "tokenizer", where)
+    if tokenizer is not None:
+        _require_text(tokenizer, "file", f"{where} tokenizer")
+        _require_text(tokenizer, "type", f"{where} tokenizer")
+    bos = _require(j, "bos_id", where)
+    if bos is not None:
+        _integer(bos, f"{where} bos_id", 64)
+    _integers(_require(j, "eos_ids", where), f"{where} eos_ids")
+    shards = _require(j, "shards", where)
     if not isinstance(shards, list) or not shards:
-        _fail(folder, "'shards' must be a non-empty list")
+        raise UserError(f"{where}: 'shards' must be a non-empty list")
+    expected_layer = 0
     for i, shard in enumerate(shards):
-        if not isinstance(shard, dict):
-            _fail(folder, f"shard {i} is not an object")
-        for key in ("index", "file", "sha256", "size", "layers", "io"):
-            if key not in shard:
-                _fail(folder, f"shard {i} has no '{key}'")
-        if shard["index"] != i:
-            _fail(folder, f"shard at position {i} says index {shard['index']}: shards are out of order")
-        for method in manifest["methods"]:
-            if method not in shard["io"]:
-                _fail(folder, f"shard {i} has no I/O description for method '{method}'")
-    return manifest
+        sw = f"{where} shard {i}"
+        index = _require_int(shard, "index", sw)
+        if index != i:
+            raise UserError(f"{sw} says index {index}: shards are out of order")
+        if "/" in _require_text(shard, "file", sw):
+            raise UserError(f"{sw}: file name must not contain '/'")
+        _require_text(shard, "sha256", sw)
+        _integer(_require(shard, "size", sw), f"{sw} size", 64)
+        layers = _integers(_require(shard, "layers", sw), f"{sw} layers", 32)
+        if len(layers) != 2 or layers[0] != expected_layer or layers[1] < layers[0] or layers[1] > dims["n_layers"]:
+            raise UserError(f"{sw}: layers do not continue the chain at layer {expected_layer}")
+        expected_layer = layers[1]
+        has_embedding = _boolean(_require(shard, "has_embedding", sw), f"{sw} 'has_embedding'")
+        has_head = _boolean(_require(shard, "has_head", sw), f"{sw} 'has_head'")
+        if has_embedding != (i == 0) or has_head != (i + 1 == len(shards)):
+            raise UserError(f"{sw}: the embedding must be in the first shard and the head in the last")
+        if "backends" in shard:
+            if not isinstance(shard["backends"], list):
+                raise UserError(f"{sw} 'backends' must be a list of names")
+            for backend in shard["backends"]:
+                _text(backend, f"{sw} 'backends'")
+        io = _require(shard, "io", sw)
+        for name in sorted(widths):
+            method = _require(io, name, f"{sw} io")
+            _check_tensors(_require(method, "inputs", sw), f"{sw} {name} inputs")
+            _check_tensors(_require(method, "outputs", sw), f"{sw} {name} outputs")
+    if expected_layer != dims["n_layers"]:
+        raise UserError(f"{where}: the shards do not cover all layers")
+    if j.get("qnn") is not None:
+        _require_text(j["qnn"], "build_id", f"{where} qnn")
+        _integer(_require(j["qnn"], "spill_fill_bytes", f"{where} qnn"), f"{where} qnn spill_fill_bytes", 64)
+    return j
 
 
 def check_files(folder: Path, manifest: dict, verify_sha256: bool = False) -> None:

@@ -54,6 +54,20 @@ std::vector<T> integers(const json& value, const std::string& what) {
   return out;
 }
 
+std::string as_text(const json& value, const std::string& what) {
+  if (!value.is_string()) throw RunnerError(what + " must be a string, got " + value.dump());
+  return value.get<std::string>();
+}
+
+bool as_boolean(const json& value, const std::string& what) {
+  if (!value.is_boolean()) throw RunnerError(what + " must be true or false, got " + value.dump());
+  return value.get<bool>();
+}
+
+std::string require_text(const json& object, const char* key, const std::string& where) {
+  return as_text(require(object, key, where), where + " '" + key + "'");
+}
+
 int require_int(const json& object, const char* key, const std::string& where) {
   return integer<int>(require(object, key, where), where + " '" + key + "'");
 }
@@ -63,9 +77,9 @@ std::vector<TensorDesc> parse_tensors(const json& list, const std::string& where
   std::vector<TensorDesc> out;
   for (const json& t : list) {
     TensorDesc desc;
-    desc.name = require(t, "name", where).get<std::string>();
+    desc.name = require_text(t, "name", where);
     desc.shape = integers<int64_t>(require(t, "shape", where), where + " shape");
-    desc.dtype = require(t, "dtype", where).get<std::string>();
+    desc.dtype = require_text(t, "dtype", where);
     for (int64_t d : desc.shape) {
       if (d <= 0) throw RunnerError(where + ": tensor " + desc.name + " has a non-positive dimension");
     }
@@ -85,7 +99,7 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     throw RunnerError(where + " is malformed JSON: " + e.what());
   }
   try {
-    if (!j.is_object() || j.value("format", "") != "composite-manifest") {
+    if (!j.is_object() || !j.contains("format") || j.at("format") != "composite-manifest") {
       throw RunnerError(where + " is not a composite manifest");
     }
     const json version = j.value("version", json());
@@ -116,7 +130,7 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
       if (width < 1 || width > m.max_seq_len) throw RunnerError(where + ": method " + name + " has an invalid width");
     }
     const json& kv = require(j, "kv_cache", where);
-    if (require(kv, "dtype", where + " kv_cache").get<std::string>() != "float32") {
+    if (require_text(kv, "dtype", where + " kv_cache") != "float32") {
       throw RunnerError(where + ": only float32 KV caches are supported by this runner");
     }
     m.k_shape = integers<int64_t>(require(kv, "k_shape", where + " kv_cache"), where + " kv_cache k_shape");
@@ -133,8 +147,8 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     m.mask_hidden = hidden.get<float>();
     const json& tok = require(j, "tokenizer", where);
     if (!tok.is_null()) {
-      m.tokenizer_file = require(tok, "file", where + " tokenizer").get<std::string>();
-      m.tokenizer_type = require(tok, "type", where + " tokenizer").get<std::string>();
+      m.tokenizer_file = require_text(tok, "file", where + " tokenizer");
+      m.tokenizer_type = require_text(tok, "type", where + " tokenizer");
     }
     const json& bos = require(j, "bos_id", where);
     m.bos_id = bos.is_null() ? -1 : integer<int64_t>(bos, where + " bos_id");
@@ -150,9 +164,9 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
       if (info.index != static_cast<int>(i)) {
         throw RunnerError(sw + " says index " + std::to_string(info.index) + ": shards are out of order");
       }
-      info.file = require(s, "file", sw).get<std::string>();
+      info.file = require_text(s, "file", sw);
       if (info.file.find('/') != std::string::npos) throw RunnerError(sw + ": file name must not contain '/'");
-      info.sha256 = require(s, "sha256", sw).get<std::string>();
+      info.sha256 = require_text(s, "sha256", sw);
       info.size = integer<int64_t>(require(s, "size", sw), sw + " size");
       auto layers = integers<int>(require(s, "layers", sw), sw + " layers");
       if (layers.size() != 2 || layers[0] != expected_layer || layers[1] < layers[0] || layers[1] > m.n_layers) {
@@ -161,12 +175,16 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
       info.layer_first = layers[0];
       info.layer_end = layers[1];
       expected_layer = layers[1];
-      info.has_embedding = require(s, "has_embedding", sw).get<bool>();
-      info.has_head = require(s, "has_head", sw).get<bool>();
+      info.has_embedding = as_boolean(require(s, "has_embedding", sw), sw + " 'has_embedding'");
+      info.has_head = as_boolean(require(s, "has_head", sw), sw + " 'has_head'");
       if (info.has_embedding != (i == 0) || info.has_head != (i + 1 == shards.size())) {
         throw RunnerError(sw + ": the embedding must be in the first shard and the head in the last");
       }
-      if (s.contains("backends")) info.backends = s.at("backends").get<std::vector<std::string>>();
+      if (s.contains("backends")) {
+        const json& backends = s.at("backends");
+        if (!backends.is_array()) throw RunnerError(sw + " 'backends' must be a list of names");
+        for (const json& b : backends) info.backends.push_back(as_text(b, sw + " 'backends'"));
+      }
       const json& io = require(s, "io", sw);
       for (const auto& [name, width] : m.methods) {
         const json& method = require(io, name.c_str(), sw + " io");
@@ -177,7 +195,7 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     }
     if (expected_layer != m.n_layers) throw RunnerError(where + ": the shards do not cover all layers");
     if (j.contains("qnn") && !j.at("qnn").is_null()) {
-      m.qnn_build_id = require(j.at("qnn"), "build_id", where + " qnn").get<std::string>();
+      m.qnn_build_id = require_text(j.at("qnn"), "build_id", where + " qnn");
       m.qnn_spill_fill_bytes =
           integer<int64_t>(require(j.at("qnn"), "spill_fill_bytes", where + " qnn"), where + " qnn spill_fill_bytes");
     }

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "error.h"
 #include "manifest.h"
@@ -119,4 +121,27 @@ TEST(Manifest, RejectsBrokenManifestsWithAMessage) {
   j = valid();
   j["shards"][0]["file"] = "../etc/passwd";
   EXPECT_NE(error_of(j).find("must not contain"), std::string::npos);
+}
+
+// tests/manifests: the cases both readers must judge alike (tests/test_manifest_readers.py is the
+// Python side).
+TEST(Manifest, SharedFixtures) {
+  const std::string folder = COMPOSITE_MANIFEST_FIXTURES;
+  std::ifstream expected_file(folder + "/expected.json");
+  ASSERT_TRUE(expected_file) << folder;
+  const json expected = json::parse(expected_file);
+  ASSERT_GE(expected.size(), 20u);
+  for (const auto& [name, message] : expected.items()) {
+    std::ifstream in(folder + "/" + name);
+    ASSERT_TRUE(in) << name;
+    std::stringstream text;
+    text << in.rdbuf();
+    std::string verdict;
+    try {
+      parse_manifest(text.str(), "fixture");
+    } catch (const RunnerError& e) {
+      verdict = e.what();
+    }
+    EXPECT_EQ(verdict, message.is_null() ? "" : message.get<std::string>()) << name;
+  }
 }
