@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path, PurePosixPath
 
+from composite import manifest as manifest_schema
 from composite import qnn_host
 from composite.bundle import library_closure
 from composite.errors import UserError, exits_cleanly
@@ -137,8 +138,6 @@ def open_transport(args) -> LocalTransport | AdbTransport:
 
 
 def read_manifest(artifacts: Path) -> dict:
-    from composite import manifest as manifest_schema
-
     manifest = manifest_schema.read(artifacts)
     manifest_schema.check_files(artifacts, manifest)
     return manifest

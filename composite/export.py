@@ -20,8 +20,9 @@ import torch
 from executorch.runtime import Runtime
 from tqdm import tqdm
 
+import composite
 from composite import manifest as manifest_schema
-from composite import quiet, staging
+from composite import qnn_host, quiet, staging
 from composite.config import ExportConfig, Placement, config_from_flags
 from composite.errors import UserError, exits_cleanly
 from composite.lowering import LoweredShard, finish, lower_shard
@@ -147,8 +148,6 @@ def versions() -> dict:
     import executorch.version
     import torchao
 
-    import composite
-
     return {
         "composite": composite.__version__,
         "torch": torch.__version__,
@@ -213,8 +212,6 @@ def run_export(config: ExportConfig) -> Path:
     started = time.perf_counter()
     placements = config.placements()
     if any(p.backend == "qnn" for p in placements):
-        from composite import qnn_host
-
         qnn_host.activate()  # before any slow work: may re-execute this process once
     output = Path(config.output)
     staging.check_output(output)
@@ -248,8 +245,6 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, terminated)
     config = config_from_flags(args)
     if any(p.backend == "qnn" for p in config.placements()):
-        from composite import qnn_host
-
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     try:
         with quiet.filtered_native_stderr(args.verbose):

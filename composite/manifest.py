@@ -1,36 +1,51 @@
 """manifest.json: the only contract between the exporter and the runners (Python and C++).
 
-Schema, version 1 (every key is required unless marked optional):
+This module describes it (below), writes it (`shard_entry`, `document`, `write`) and reads it
+(`read`, `parse`); runner_cpp/manifest.cpp reads it too, with the same checks and messages
+(tests/manifests holds cases both must judge alike).
+
+Schema, version 1. [R] = read and checked by both runners; the rest is written for people and
+tools (the runners ignore it). Every key is written by every export unless marked optional.
 {
-  "format": "composite-manifest", "version": 1,
-  "export_id": str,                       # random per export; every shard file carries no id, so
-                                          # runners match files by sha256/size against this manifest
-  "model": {dim, n_layers, n_heads, n_kv_heads, vocab_size, hidden_dim, head_dim, norm_eps,
-            rope_theta, rope_scaling, tie_embeddings},
+  "format": "composite-manifest", "version": 1,                                   [R]
+  "export_id": str,              # random per export; the .pte files carry no id, so   [R: present]
+                                 # runners match files by size/sha256 against this manifest
+  "model": {dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size,             [R: these six]
+            hidden_dim, norm_eps, rope_theta, rope_scaling, tie_embeddings},
   "source": {"kind": "embedded" | "meta" | "hf", "path": str | null},
-  "max_seq_len": int,                     # cache slots; positions 0 .. max_seq_len-1
-  "methods": {"decode": 1, "prefill": int},   # method name -> tokens per call
-  "kv_cache": {
+  "max_seq_len": int,            # cache slots; positions 0 .. max_seq_len-1          [R]
+  "methods": {"decode": 1, "prefill": int},   # method name -> tokens per call       [R]
+  "kv_cache": {                                                                     [R: dtype, shapes]
      "dtype": "float32",
      "k_shape": [n_kv_heads, head_dim, max_seq_len],   # sequence last
      "v_shape": [n_kv_heads, max_seq_len, head_dim],
      "k_new_shape": "[n_kv_heads, head_dim, T]", "v_new_shape": "[n_kv_heads, T, head_dim]"
   },
-  "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": float},
+  "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": float},     [R: hidden]
           # additive; columns 0..max_seq_len-1 are cache slots, the last T the call's own tokens
   "tokenizer": {"file": str, "type": "sentencepiece"|"tiktoken"|"hf_json", "sha256": str} | null,
-  "bos_id": int | null, "eos_ids": [int],
-  "shards": [{
-     "index": int, "file": str, "sha256": str, "size": int,
-     "layers": [first, end),              # decoder layers, end exclusive
-     "has_embedding": bool, "has_head": bool,
+                                                                                  [R: file, type]
+  "bos_id": int | null, "eos_ids": [int],                                          [R]
+  "shards": [{                                                                     [R: non-empty]
+     "index": int, "file": str (no '/'), "sha256": str, "size": int,              [R]
+     "layers": [first, end),     # decoder layers, end exclusive; continuous over  [R]
+                                 # the shards and covering all n_layers
+     "has_embedding": bool, "has_head": bool,   # first shard / last shard only     [R]
      "placement": {"backend": str, "options": {...}},
-     "delegates": {method: {backend id: count}},     # read from the lowered program
-     "cpu_ops": {method: [operator names]},          # run by ExecuTorch's CPU kernels
-     "io": {method: {"inputs": [{"name","shape","dtype"}], "outputs": [...]}},
-     "sqnr_db": {method: {output name: float | null}}   # optional, QNN shards: against the float
-                                          # shard on held-out input; null = exact (no error)
+     "backends": [backend id],   # the delegates present (read from the program)   [R: C++, optional]
+     "delegates": {method: {backend id: count}},
+     "cpu_ops": {method: [operator names]},     # run by ExecuTorch's CPU kernels
+     "io": {method: {"inputs": [{"name","shape","dtype"}], "outputs": [...]}},    [R]
+     "export_seconds": float, "notes": [str],   # e.g. linears left unquantized
+     "spill_fill_bytes": int,    # optional, QNN shards: this shard's own need
+     "sqnr_db": {method: {output name: float | null}}   # optional, QNN shards: against the
+                                 # float shard on held-out input; null = exact (no error)
   }],
+  "qnn": {"build_id": str, "spill_fill_bytes": int,                               [R: C++]
+          "libraries": str, "calibration_seconds": float | null} | null,
+                                 # build_id: the QNN libraries the shards were compiled with (the
+                                 # C++ runner warns when it loads others); spill_fill_bytes: the
+                                 # one size shared by every QNN context
   "versions": {"composite", "torch", "executorch", "torchao"}
 }
 Input names: "tokens" [1,T] int64 | "hidden" [1,T,dim]; then, for shards with layers, "input_pos"

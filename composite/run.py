@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 from composite import manifest as manifest_schema
-from composite import quiet
+from composite import qnn_host, quiet
 from composite.errors import UserError, exits_cleanly
+from composite.runtime.chain import ShardChain
 from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, generate, stats
+from composite.runtime.reference import generate_reference, reference_model
 from composite.runtime.sampler import Sampler, fresh_seed
+from composite.tokenizer import Tokenizer
 
 
 def parse_args(argv):
@@ -69,8 +72,6 @@ def load_tokenizer(folder: Path, manifest: dict):
     entry = manifest.get("tokenizer")
     if not entry:
         return None
-    from composite.tokenizer import Tokenizer
-
     return Tokenizer(folder / entry["file"], entry["type"])
 
 
@@ -124,8 +125,6 @@ def main(argv=None) -> None:
     folder = Path(args.artifacts)
     manifest = manifest_schema.read(folder)
     if not args.reference and any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"]):
-        from composite import qnn_host
-
         qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
     with quiet.filtered_native_stderr(args.verbose):
         generate_and_report(args, folder, manifest)
@@ -142,8 +141,6 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
     stream = TextStream(tokenizer, prompt[-1:]) if tokenizer is not None and not args.json else None
     load_seconds = 0.0
     if args.reference:
-        from composite.runtime.reference import generate_reference, reference_model
-
         generation = generate_reference(
             reference_model(manifest),
             prompt,
@@ -155,8 +152,6 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
             seq_len=args.seq_len,
         )
     else:
-        from composite.runtime.chain import ShardChain
-
         chain = ShardChain(folder, verify=args.verify)
         load_seconds = chain.load_seconds
         generation = generate(chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream, seq_len=args.seq_len)

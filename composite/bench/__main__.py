@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
+from composite.report import read_stats, render
 from composite.bench import peer
 from composite.bench.workload import DIMS, Dims, prompt_ids, write_workload
 from composite.errors import UserError, exits_cleanly
@@ -266,8 +267,6 @@ def main(argv=None) -> None:
               f"context {dims.max_seq_len}, prompt {dims.prompt_tokens} tokens, {dims.new_tokens} new), "
               f"medians of {args.repeats} interleaved runs, {date.today().isoformat()}, {machine()}")
     print("\n" + header + "\n\n" + table(summary) + "\n\n" + "\n".join(ratios))
-
-    from composite.report import read_stats, render
 
     picked, labels = [], []
     for c in configs:

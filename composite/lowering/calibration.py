@@ -24,13 +24,13 @@ from tqdm import tqdm
 
 from composite.errors import UserError
 from composite.manifest import DECODE, PREFILL
+from composite.model.default import corpus_text
+from composite.runtime.chain import eager_chain
 
 DEFAULT_SAMPLES = 16
 
 
 def calibration_text(options: dict) -> str:
-    from composite.model.default import corpus_text
-
     if options.get("prompts"):
         return "\n".join(str(p) for p in options["prompts"])
     if options.get("file"):
@@ -73,8 +73,6 @@ def calibrate(
     prefill calls are made, and as many decode calls as that covers tokens (samples x prefill
     width), since one decode call sees a single token. Returns one further input per shard and
     method, from text the consumers never saw, for measuring the lowered shard."""
-    from composite.runtime.chain import eager_chain
-
     width = methods[PREFILL]
     prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
     decode_calls = prefill_calls * width

@@ -20,6 +20,7 @@ from executorch.runtime import Runtime
 from composite import qnn_host
 from composite.errors import UserError
 from composite.lowering.calibration import calibrate, sqnr_db
+from composite.lowering.htp_graph import htp_form
 from composite.lowering.program import LoweredShard, finish
 
 QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
@@ -83,8 +84,6 @@ class QnnShardLowering:
         """n_positions: how many rotary positions the shard can be asked for, the cache length plus
         the widest call (the padded tail of a last prefill chunk sits past the cache)."""
         from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
-
-        from composite.lowering.htp_graph import htp_form
 
         qnn_host.activate()  # fails early, with one line, when this process cannot lower QNN shards
         self.example_inputs, self.options = example_inputs, options

@@ -13,6 +13,7 @@ import torch
 from composite import manifest as manifest_schema
 from composite import qnn_host
 from composite.errors import UserError
+from composite.model.llama import cache_shapes
 from composite.runtime.kv_cache import AttentionMask, KVCache
 
 # method name -> callable(list of input tensors) -> list of output tensors, one dict per shard
@@ -119,7 +120,6 @@ class ShardChain(Chain):
 
 def eager_chain(model, shard_modules: list, methods: dict[str, int], max_seq_len: int) -> Chain:
     """The float PyTorch shards chained exactly as the runners chain the exported ones."""
-    from composite.model.llama import cache_shapes
 
     def runner(module):
         def run(inputs):

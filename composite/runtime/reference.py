@@ -7,6 +7,8 @@ import time
 import torch
 
 from composite.errors import UserError
+from composite.model.checkpoint import load_checkpoint
+from composite.model.default import default_model
 from composite.model.llama import ModelArgs, Transformer
 from composite.runtime.generate import Generation, Limits, stop_reason
 
@@ -14,12 +16,8 @@ from composite.runtime.generate import Generation, Limits, stop_reason
 def reference_model(manifest: dict) -> Transformer:
     source = manifest["source"]
     if source["kind"] == "embedded":
-        from composite.model.default import default_model
-
         model = default_model(ModelArgs(**manifest["model"]))
     else:
-        from composite.model.checkpoint import load_checkpoint
-
         if source["path"] is None:
             raise UserError("the manifest does not record the checkpoint path, so --reference cannot rebuild the model")
         model = load_checkpoint(source["path"], None).model
