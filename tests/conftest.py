@@ -50,8 +50,11 @@ def export(output: Path, **overrides) -> Path:
     return run_export(build_config(None, values))
 
 
-def run_cli(module: str, *args: str, check: bool = False) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=REPO)
+def run_cli(
+    module: str, *args: str, check: bool = False, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """python -m `module` *args from `cwd` (the repository by default), output captured."""
+    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, env=env)
     if check and result.returncode != 0:
         raise AssertionError(f"{module} {args} failed ({result.returncode}):\n{result.stderr}")
     return result

@@ -41,24 +41,25 @@ def arm64_ready():
         pytest.skip("; ".join(missing))
 
 
+def generate(command: list[str], folder: Path, stats: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`command` (a runner, maybe under qemu) generates NEW_TOKENS greedy tokens from PROMPT."""
+    flags = [
+        "--artifacts",
+        str(folder),
+        "--prompt",
+        PROMPT,
+        "--max_new_tokens",
+        str(NEW_TOKENS),
+        "--stats_json",
+        str(stats),
+    ]
+    result = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def tokens(command: list[str], folder: Path, stats: Path) -> tuple[list[int], float]:
-    result = subprocess.run(
-        [
-            *command,
-            "--artifacts",
-            str(folder),
-            "--prompt",
-            PROMPT,
-            "--max_new_tokens",
-            str(NEW_TOKENS),
-            "--stats_json",
-            str(stats),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
+    generate(command, folder, stats)
     data = json.loads(stats.read_text())
     return data["tokens"], data["decode_tokens_per_s"]
 
@@ -127,27 +128,7 @@ def test_pushed_bundle_starts_with_only_the_c_runtime(arm64_ready, default_expor
     root = c_runtime_root(tmp_path / "root")
     stats = tmp_path / "arm.json"
     env = {"LD_LIBRARY_PATH": str(pushed), "LD_DEBUG": "libs", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [
-            QEMU,
-            "-L",
-            str(root),
-            str(pushed / "composite_runner"),
-            "--artifacts",
-            str(pushed),
-            "--prompt",
-            PROMPT,
-            "--max_new_tokens",
-            str(NEW_TOKENS),
-            "--stats_json",
-            str(stats),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = generate([QEMU, "-L", str(root), str(pushed / "composite_runner")], pushed, stats, env=env)
     loaded = [
         line.split("calling init: ", 1)[1].strip() for line in result.stderr.splitlines() if "calling init: " in line
     ]

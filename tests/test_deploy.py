@@ -13,15 +13,13 @@ import sys
 import pytest
 
 from composite.report import read_stats, render
-from conftest import REPO, RUNNER, one_error_line
+from conftest import REPO, RUNNER, one_error_line, run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def deploy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "composite.deploy", *args], capture_output=True, text=True, cwd=REPO, env=env
-    )
+    return run_cli("composite.deploy", *args, env=env)
 
 
 @pytest.fixture(scope="module")

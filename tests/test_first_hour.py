@@ -95,23 +95,8 @@ def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared
 
 @needs_runner
 def test_deploy_push_from_another_folder_finds_the_built_runner(default_exports, tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "composite.deploy",
-            "push",
-            "--artifacts",
-            str(default_exports[3]),
-            "--transport",
-            "local",
-            "--local-root",
-            "device",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    push_args = ("push", "--artifacts", str(default_exports[3]), "--transport", "local", "--local-root", "device")
+    result = run_cli("composite.deploy", *push_args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "device/data/local/tmp/composite/composite_runner").is_file()
 
@@ -177,25 +162,8 @@ def test_deploy_run_passes_runner_flags_without_a_separator(default_exports, tmp
     assert run_cli("composite.deploy", "push", "--artifacts", str(default_exports[3]), *common).returncode == 0
     stats = tmp_path / "stats.json"
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "composite.deploy",
-            "run",
-            *common,
-            "--prompt",
-            "hi",
-            "--max_new_tokens",
-            "5",
-            "--stats-out",
-            str(stats),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    run_args = ("run", *common, "--prompt", "hi", "--max_new_tokens", "5", "--stats-out", str(stats))
+    result = run_cli("composite.deploy", *run_args, env=env)
     assert result.returncode == 0, result.stderr
     assert len(json.loads(stats.read_text())["tokens"]) == 5
     unwritable = run_cli(
