@@ -7,11 +7,19 @@ renamed into place when complete: staging.py; the manifest: manifest.py).
 
 from __future__ import annotations
 
+import sys
+
+from composite import quiet
+
+if __name__ == "__main__" and "--verbose" not in sys.argv:
+    # Run as the CLI: keep library chatter (torchao logs while ExecuTorch imports it) out before
+    # those libraries load. Importing this module elsewhere changes nothing.
+    quiet.silence_library_noise()
+
 import argparse
 import errno
 import shutil
 import signal
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +30,7 @@ from tqdm import tqdm
 
 import composite
 from composite import manifest as manifest_schema
-from composite import qnn_host, quiet, staging
+from composite import qnn_host, staging
 from composite.config import ExportConfig, Placement, config_from_flags
 from composite.errors import UserError, exits_cleanly
 from composite.lowering import LoweredShard, finish, lower_shard
@@ -240,8 +248,6 @@ def terminated(signum, _frame):
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if not args.verbose:
-        quiet.silence_library_noise()
     signal.signal(signal.SIGTERM, terminated)
     config = config_from_flags(args)
     if any(p.backend == "qnn" for p in config.placements()):

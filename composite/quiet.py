@@ -65,8 +65,10 @@ def filtered_native_stderr(verbose: bool = False):
     os.dup2(write_end, 2)
     os.close(write_end)
 
+    forward_to = os.dup(real_stderr)  # the thread's own copy: `real_stderr` is closed on the way out
+
     def forward():
-        with os.fdopen(read_end, "rb") as pipe, os.fdopen(os.dup(real_stderr), "wb", buffering=0) as out:
+        with os.fdopen(read_end, "rb") as pipe, os.fdopen(forward_to, "wb", buffering=0) as out:
             pending, after_routine = b"", False
             while chunk := pipe.read1(65536):
                 pending += chunk

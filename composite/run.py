@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+
+from composite import quiet
+
+if __name__ == "__main__" and "--verbose" not in sys.argv:
+    # Run as the CLI: keep library chatter (torchao logs while ExecuTorch imports it) out before
+    # those libraries load. Importing this module elsewhere changes nothing.
+    quiet.silence_library_noise()
+
 import argparse
 import json
 import platform
-import sys
 from pathlib import Path
 
 from composite import manifest as manifest_schema
-from composite import qnn_host, quiet
+from composite import qnn_host
 from composite.errors import UserError, exits_cleanly
 from composite.runtime.chain import ShardChain
 from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, generate, stats
@@ -114,8 +122,6 @@ class TextStream:
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if not args.verbose:
-        quiet.silence_library_noise()
     if not 0.0 < args.top_p <= 1.0:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p:g}")
     if args.temperature < 0:
