@@ -18,7 +18,10 @@ def test_routine_lines_go_and_everything_else_stays():
         b"note: shard 1: calibrated\n"
     )
     kept, _ = strip_routine(text)
-    assert kept == b"\rlowering shards:  33%|###\n[ERROR] [Qnn ExecuTorch]: Failed to load the context\nnote: shard 1: calibrated\n"
+    assert (
+        kept
+        == b"\rlowering shards:  33%|###\n[ERROR] [Qnn ExecuTorch]: Failed to load the context\nnote: shard 1: calibrated\n"
+    )
 
 
 def test_leaving_at_once_never_breaks_the_forwarding_thread(tmp_path):
