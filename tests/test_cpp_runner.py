@@ -43,6 +43,20 @@ def six(default_exports) -> Path:
     return default_exports[6]
 
 
+def runner_stats(folder: Path, stats: Path, *args: str) -> dict:
+    """composite_runner on `folder` with `args`; its --stats_json, after a clean exit."""
+    result = run_runner("--artifacts", str(folder), *args, "--stats_json", str(stats))
+    assert result.returncode == 0, result.stderr
+    return json.loads(stats.read_text())
+
+
+def python_tokens(folder: Path, *args: str) -> list[int]:
+    """composite.run on `folder` with `args`: the tokens of its --json stats."""
+    return json.loads(run_cli("composite.run", "--artifacts", str(folder), *args, "--json", check=True).stdout)[
+        "tokens"
+    ]
+
+
 def runner_tokens(folder: Path, tmp_path: Path, *prompt_args: str) -> list[int]:
     stats = tmp_path / "stats.json"
     result = run_runner(
@@ -211,32 +225,10 @@ def test_bad_input(six, default_exports, tmp_path):
 def test_seq_len_counts_every_token_in_both_runners(default_exports, tmp_path, seq_len):
     folder = default_exports[3]
     prompt = [1, 450, 298, 17, 99, 3]
-    stats = tmp_path / "stats.json"
-    cpp = run_runner(
-        "--artifacts",
-        str(folder),
-        "--prompt_ids",
-        ",".join(map(str, prompt)),
-        "--seq_len",
-        str(seq_len),
-        "--stats_json",
-        str(stats),
-    )
-    assert cpp.returncode == 0, cpp.stderr
-    data = json.loads(stats.read_text())
+    ids = ",".join(map(str, prompt))
+    data = runner_stats(folder, tmp_path / "stats.json", "--prompt_ids", ids, "--seq_len", str(seq_len))
     assert len(prompt) + len(data["tokens"]) == seq_len and data["stop_reason"] == "seq_len"
-    python = run_cli(
-        "composite.run",
-        "--artifacts",
-        str(folder),
-        "--prompt-ids",
-        ",".join(map(str, prompt)),
-        "--seq-len",
-        str(seq_len),
-        "--json",
-    )
-    assert python.returncode == 0, python.stderr
-    assert json.loads(python.stdout)["tokens"] == data["tokens"]
+    assert python_tokens(folder, "--prompt-ids", ids, "--seq-len", str(seq_len)) == data["tokens"]
 
 
 def test_manifest_with_an_exact_sqnr_loads_in_both_runners(default_exports, tmp_path):
@@ -264,43 +256,20 @@ def test_portable_shard_generates_the_eager_tokens_in_both_runners(workdir, tmp_
     manifest = read(folder)
     assert manifest["shards"][1]["backends"] == [] and manifest["shards"][1]["cpu_ops"]["decode"]
     ids = Tokenizer(folder / "tokenizer.model").encode("The robot climbed the stairs and")
-    stats = tmp_path / "stats.json"
-    cpp = run_runner(
-        "--artifacts",
-        str(folder),
-        "--prompt_ids",
-        ",".join(map(str, ids)),
-        "--max_new_tokens",
-        "24",
-        "--stats_json",
-        str(stats),
+    data = runner_stats(
+        folder, tmp_path / "stats.json", "--prompt_ids", ",".join(map(str, ids)), "--max_new_tokens", "24"
     )
-    assert cpp.returncode == 0, cpp.stderr
-    data = json.loads(stats.read_text())
     assert data["shard_backends"][1] == "portable"
-    python = run_cli(
-        "composite.run",
-        "--artifacts",
-        str(folder),
-        "--prompt-ids",
-        ",".join(map(str, ids)),
-        "--max-new-tokens",
-        "24",
-        "--json",
-        check=True,
-    )
+    python = python_tokens(folder, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "24")
     eager = generate_reference(
         reference_model(manifest), ids, 24, manifest["max_seq_len"], Sampler(), tuple(manifest["eos_ids"])
     )
-    assert data["tokens"] == json.loads(python.stdout)["tokens"] == eager.tokens
+    assert data["tokens"] == python == eager.tokens
 
 
 def test_both_runners_write_one_stats_schema_that_the_report_reads(six, tmp_path):
     cpp_stats, python_stats = tmp_path / "cpp.json", tmp_path / "python.json"
-    cpp = run_runner(
-        "--artifacts", str(six), "--prompt", "Mia ran", "--max_new_tokens", "6", "--stats_json", str(cpp_stats)
-    )
-    assert cpp.returncode == 0, cpp.stderr
+    runner_stats(six, cpp_stats, "--prompt", "Mia ran", "--max_new_tokens", "6")
     run_cli(
         "composite.run",
         "--artifacts",
