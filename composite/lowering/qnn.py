@@ -250,7 +250,8 @@ class QnnShards:
         """method -> output name -> SQNR (dB) of the lowered shard against the float shard."""
         program = Runtime.get().load_program(shard.buffer)
         result = {}
-        for method, inputs in self.held_out[index].items():
+        for method in names:  # decode, then prefill, as the manifest lists methods
+            inputs = self.held_out[index][method]
             actual = program.load_method(method).execute(list(inputs))
             with torch.no_grad():
                 expected = self.modules[index](*inputs)
