@@ -196,8 +196,8 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     if (expected_layer != m.n_layers) throw RunnerError(where + ": the shards do not cover all layers");
     if (j.contains("qnn") && !j.at("qnn").is_null()) {
       m.qnn_build_id = require_text(j.at("qnn"), "build_id", where + " qnn");
-      m.qnn_spill_fill_bytes =
-          integer<int64_t>(require(j.at("qnn"), "spill_fill_bytes", where + " qnn"), where + " qnn spill_fill_bytes");
+      integer<int64_t>(require(j.at("qnn"), "spill_fill_bytes", where + " qnn"),
+                       where + " qnn spill_fill_bytes");  // checked; the size is compiled into the contexts
     }
     return m;
   } catch (const json::exception& e) {

@@ -45,7 +45,6 @@ struct Manifest {
   std::vector<int64_t> eos_ids;
   std::vector<ShardInfo> shards;
   std::string qnn_build_id;  // QNN libraries the QNN shards were compiled with; empty if none
-  int64_t qnn_spill_fill_bytes = 0;
 
   std::string path_of(const std::string& file) const { return folder + "/" + file; }
 };
