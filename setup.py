@@ -16,6 +16,7 @@ setup(
         "executorch==1.5.1",
         "torchao",
         "pytorch-tokenizers",
+        "tokenizers",  # tokenizer.json, in composite.run as in transformers
         "sentencepiece",
         "safetensors",
         "pyyaml",

@@ -1,9 +1,11 @@
 """Tokenizers the runners understand: SentencePiece (Llama 2 family), Llama 3 tiktoken, and
-Hugging Face tokenizer.json (Python runner only)."""
+Hugging Face byte-level BPE tokenizer.json (Llama 3 / 3.2). runner_cpp/tokenizer.cpp is the C++ twin."""
 
 from __future__ import annotations
 
 import base64
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -30,11 +32,15 @@ def detect_type(path: Path) -> str:
 
 
 class Tokenizer:
+    """encode/decode for the three kinds, with special tokens parsed in text as composite_runner
+    parses them (runner_cpp/tokenizer.cpp); chat_family and stop ids for the manifest."""
+
     def __init__(self, path: Path, kind: str | None = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(f"tokenizer {self.path} does not exist")
         self.kind = kind or detect_type(self.path)
+        self.end_of_turn_id: int | None = None
         if self.kind == SENTENCEPIECE:
             import sentencepiece
 
@@ -46,6 +52,14 @@ class Tokenizer:
             self.vocab_size = self._sp.vocab_size()
             self.bos_id = self._sp.bos_id()
             self.eos_ids = (self._sp.eos_id(),)
+            # SentencePiece reads "<s>" in text as characters; Hugging Face's Llama tokenizer and
+            # llama.cpp parse the control and unknown pieces as special tokens.
+            self.specials = {
+                self._sp.IdToPiece(i): i
+                for i in range(self.vocab_size)
+                if self._sp.IsControl(i) or self._sp.IsUnknown(i)
+            }
+            self.chat_family, self.end_of_turn_id = "llama2", self._sp.eos_id()
         elif self.kind == TIKTOKEN:
             from pytorch_tokenizers import TiktokenTokenizer
 
@@ -55,37 +69,146 @@ class Tokenizer:
                 raise UserError(f"tokenizer {self.path} is not a valid tiktoken file: {e}") from None
             self.vocab_size = self._tt.n_words
             self.bos_id = self._tt.bos_id
-            # Chat models end a turn with <|eot_id|> (or <|eom_id|>) rather than <|end_of_text|>.
-            stops = {self._tt.special_tokens.get(t) for t in ("<|eot_id|>", "<|eom_id|>")} - {None}
-            self.eos_ids = tuple(sorted({self._tt.eos_id, *stops}))
+            self.specials = dict(self._tt.special_tokens)
+            self.eos_ids = self._stop_ids(self._tt.eos_id)
+            self.chat_family, self.end_of_turn_id = "llama3", self.specials["<|eot_id|>"]
         elif self.kind == HF_JSON:
-            from pytorch_tokenizers import HuggingFaceTokenizer
+            from tokenizers import Tokenizer as HfTokenizer
 
+            self.bos_id = check_hf_json(self.path)
             try:
-                self._hf = HuggingFaceTokenizer(str(self.path))
+                self._hf = HfTokenizer.from_file(str(self.path))
             except Exception as e:  # the tokenizers library raises its own Exception subclass
                 raise UserError(f"tokenizer {self.path} is not a valid tokenizer.json: {e}") from None
-            self.vocab_size = self._hf.n_words
-            self.bos_id = self._hf.bos_id
-            self.eos_ids = (self._hf.eos_id,)
+            self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+            self.specials = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+            config = hf_tokenizer_config(self.path)
+            eos_token = config.get("eos_token")
+            if isinstance(eos_token, dict):  # older configs spell an AddedToken out
+                eos_token = eos_token.get("content")
+            eos = self.specials.get(eos_token) if isinstance(eos_token, str) else None
+            self.eos_ids = self._stop_ids(eos)
+            if "<|start_header_id|>" in self.specials and "<|eot_id|>" in self.specials:
+                self.chat_family, self.end_of_turn_id = "llama3", self.specials["<|eot_id|>"]
+            elif "[INST]" in str(config.get("chat_template", "")) and eos is not None:
+                self.chat_family, self.end_of_turn_id = "llama2", eos
+            else:
+                self.chat_family = None
         else:
             raise UserError(f"unknown tokenizer type '{self.kind}'")
 
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        if self.kind == SENTENCEPIECE:
-            ids = self._sp.EncodeAsIds(text)
+    def _stop_ids(self, eos: int | None) -> tuple[int, ...]:
+        # Chat models end a turn with <|eot_id|> (or <|eom_id|>) rather than the end of text.
+        stops = {self.specials.get(t) for t in ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")} | {eos}
+        return tuple(sorted(stops - {None}))
+
+    def encode(self, text: str, bos: bool = True, parse_special: bool = True) -> list[int]:
+        """Ids of `text`, with the tokenizer's BOS first when `bos`. With `parse_special`,
+        special-token strings in the text become their ids; otherwise they are text."""
+        if self.kind == HF_JSON:
+            self._hf.encode_special_tokens = not parse_special
+            ids = self._hf.encode(text, add_special_tokens=False).ids
         elif self.kind == TIKTOKEN:
-            ids = self._tt.encode(text, bos=False, eos=False)
+            allowed = "all" if parse_special else set()
+            ids = self._tt.encode(text, bos=False, eos=False, allowed_special=allowed, disallowed_special=())
         else:
-            ids = self._hf.encode(text, bos=False, eos=False)
+            ids = []
+            for part in split_specials(text, self.specials if parse_special else {}):
+                ids += [self.specials[part]] if part in self.specials and parse_special else self._sp.EncodeAsIds(part)
         return ([self.bos_id] if bos and self.bos_id is not None and self.bos_id >= 0 else []) + list(ids)
 
     def decode(self, ids: list[int]) -> str:
         if self.kind == SENTENCEPIECE:
             return self._sp.DecodeIds(list(ids))
         if self.kind == TIKTOKEN:
-            return self._tt.decode(list(ids))
-        return self._hf.decode(list(ids))
+            return self._tt.decode([i for i in ids if i < self._tt.n_words - len(self.specials)])
+        return self._hf.decode(list(ids), skip_special_tokens=True)
+
+
+def split_specials(text: str, specials: dict[str, int]) -> list[str]:
+    """`text` cut around the special-token strings in it: the leftmost match first, the longest at
+    one position; the pieces between them kept, empty ones dropped."""
+    if not specials:
+        return [text] if text else []
+    pattern = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+    return [part for part in re.split(f"({pattern})", text) if part]
+
+
+def hf_tokenizer_config(path: Path) -> dict:
+    """tokenizer_config.json beside a tokenizer.json, or {}."""
+    config = path.parent / "tokenizer_config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_hf_json(path: Path) -> int | None:
+    """Refuses what composite_runner's tokenizer.json reader (runner_cpp/hf_tokenizer.cpp) does not
+    support, naming it; returns the BOS its post-processor puts before the text, if any."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"tokenizer {path} is not a valid tokenizer.json: {e}") from None
+    where = f"tokenizer {path}"
+    model = doc.get("model") if isinstance(doc, dict) else None
+    kind = model.get("type", "BPE") if isinstance(model, dict) else "none"
+    if kind != "BPE":
+        raise UserError(f"{where} has model type {kind}; only byte-level BPE is supported")
+    if doc.get("normalizer") is not None:
+        raise UserError(f"{where} has a {doc['normalizer'].get('type', '?')} normalizer; byte-level BPE has none")
+    if "ByteLevel" not in _pre_tokenizer_types(doc.get("pre_tokenizer"), where):
+        raise UserError(f"{where} has no ByteLevel pre-tokenizer: not a byte-level BPE")
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if model.get(key) not in (None, ""):
+            raise UserError(f"{where} sets BPE {key}, which byte-level BPE does not use")
+    for token in doc.get("added_tokens") or []:
+        for option in ("single_word", "lstrip", "rstrip"):
+            if token.get(option):
+                raise UserError(f"{where} has added token '{token.get('content')}' with {option}, unsupported")
+    before = _tokens_before_text(doc.get("post_processor"), where)
+    if len(before) > 1:
+        raise UserError(f"{where} post-processor puts {len(before)} tokens before the text; one BOS is supported")
+    return before[0] if before else None
+
+
+def _pre_tokenizer_types(p, where: str) -> list[str]:
+    if p is None:
+        return []
+    kind = p.get("type", "")
+    if kind == "Sequence":
+        return [t for step in p.get("pretokenizers", []) for t in _pre_tokenizer_types(step, where)]
+    if kind == "Split":
+        behavior = p.get("behavior", "")
+        if behavior not in ("Isolated", "Removed") or p.get("invert"):
+            inverted = " inverted" if p.get("invert") else ""
+            raise UserError(
+                f"{where} has a Split pre-tokenizer with behavior {behavior}{inverted}; Isolated and Removed are supported"
+            )
+        return [kind]
+    if kind == "ByteLevel":
+        return [kind]
+    raise UserError(f"{where} has a {kind or 'malformed'} pre-tokenizer; Split, ByteLevel and Sequence are supported")
+
+
+def _tokens_before_text(p, where: str) -> list[int]:
+    if p is None:
+        return []
+    kind = p.get("type", "")
+    if kind == "Sequence":
+        return [i for step in p.get("processors", []) for i in _tokens_before_text(step, where)]
+    if kind == "TemplateProcessing":
+        ids = []
+        for item in p.get("single", []):
+            if "Sequence" in item:
+                break
+            if "SpecialToken" in item:
+                ids += p["special_tokens"][item["SpecialToken"]["id"]]["ids"]
+        return ids
+    if kind == "ByteLevel":
+        return []
+    raise UserError(f"{where} has a {kind} post-processor; TemplateProcessing, ByteLevel and Sequence are supported")
 
 
 def train_sentencepiece(text: str, vocab_size: int) -> bytes:

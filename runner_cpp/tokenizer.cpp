@@ -1,9 +1,5 @@
 #include "tokenizer.h"
 
-#include <memory>
-
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <sentencepiece_processor.h>
 
 #include <algorithm>
@@ -13,6 +9,8 @@
 #include <unordered_map>
 
 #include "error.h"
+#include "hf_tokenizer.h"
+#include "pcre_regex.h"
 
 namespace composite {
 
@@ -23,15 +21,14 @@ class SentencePieceTokenizer : public Tokenizer {
   explicit SentencePieceTokenizer(const std::string& path) {
     const auto status = processor_.Load(path);
     if (!status.ok()) throw RunnerError("tokenizer " + path + " is not a SentencePiece model: " + status.ToString());
-  }
-  std::vector<int64_t> encode(const std::string& text, bool bos) const override {
-    std::vector<int> ids;
-    const auto status = processor_.Encode(text, &ids);
-    if (!status.ok()) throw RunnerError("cannot tokenize the prompt: " + status.ToString());
-    std::vector<int64_t> out;
-    if (bos && processor_.bos_id() >= 0) out.push_back(processor_.bos_id());
-    out.insert(out.end(), ids.begin(), ids.end());
-    return out;
+    // SentencePiece itself reads "<s>" in text as characters; the control and unknown pieces are
+    // the special tokens Hugging Face's Llama tokenizer and llama.cpp parse in a prompt.
+    std::vector<AddedToken> specials;
+    for (int id = 0; id < processor_.GetPieceSize(); ++id) {
+      if (processor_.IsControl(id) || processor_.IsUnknown(id))
+        specials.push_back({processor_.IdToPiece(id), id, true});
+    }
+    set_added_tokens(std::move(specials));
   }
   std::string token_bytes(int64_t token, int64_t previous) const override {
     if (token < 0 || token >= processor_.GetPieceSize()) return "";
@@ -61,6 +58,13 @@ class SentencePieceTokenizer : public Tokenizer {
   int64_t bos_id() const override { return processor_.bos_id(); }
 
  private:
+  void encode_ordinary(const std::string& text, std::vector<int64_t>* out) const override {
+    std::vector<int> ids;
+    const auto status = processor_.Encode(text, &ids);
+    if (!status.ok()) throw RunnerError("cannot tokenize the prompt: " + status.ToString());
+    out->insert(out->end(), ids.begin(), ids.end());
+  }
+
   sentencepiece::SentencePieceProcessor processor_;
 };
 
@@ -68,6 +72,26 @@ class SentencePieceTokenizer : public Tokenizer {
 constexpr const char* kLlama3Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 constexpr int kLlama3SpecialTokens = 256;
+
+// Llama 3's special tokens in id order after the ranks (pytorch_tokenizers' LLAMA_SPECIAL_TOKENS).
+std::vector<std::string> llama3_special_tokens() {
+  std::vector<std::string> names = {"<|begin_of_text|>",
+                                    "<|end_of_text|>",
+                                    "<|reserved_special_token_0|>",
+                                    "<|reserved_special_token_1|>",
+                                    "<|finetune_right_pad_id|>",
+                                    "<|step_id|>",
+                                    "<|start_header_id|>",
+                                    "<|end_header_id|>",
+                                    "<|eom_id|>",
+                                    "<|eot_id|>",
+                                    "<|python_tag|>",
+                                    "<|image|>"};
+  for (int i = 2; names.size() < kLlama3SpecialTokens; ++i) {
+    names.push_back("<|reserved_special_token_" + std::to_string(i) + "|>");
+  }
+  return names;
+}
 
 std::string base64_decode(const std::string& in, bool* ok) {
   static int table[256];
@@ -138,33 +162,11 @@ class TiktokenTokenizer : public Tokenizer {
     decoder_.resize(static_cast<size_t>(max_rank) + 1);
     for (const auto& [bytes, rank] : encoder_) decoder_[rank] = bytes;
     base_tokens_ = static_cast<int>(decoder_.size());
-    int error_code = 0;
-    PCRE2_SIZE error_offset = 0;
-    regex_.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(kLlama3Pattern), PCRE2_ZERO_TERMINATED,
-                               PCRE2_UTF | PCRE2_UCP, &error_code, &error_offset, nullptr));
-    if (!regex_) throw RunnerError("PCRE2 cannot compile the Llama 3 pattern");
-    match_.reset(pcre2_match_data_create_from_pattern(regex_.get(), nullptr));
-  }
-
-  std::vector<int64_t> encode(const std::string& text, bool bos) const override {
-    std::vector<int64_t> out;
-    if (bos) out.push_back(bos_id());
-    const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-    PCRE2_SIZE offset = 0;
-    while (offset < text.size()) {
-      // The first match validates the whole text as UTF-8; later ones need not repeat it.
-      const int rc = pcre2_match(regex_.get(), subject, text.size(), offset, offset == 0 ? 0 : PCRE2_NO_UTF_CHECK,
-                                 match_.get(), nullptr);
-      if (rc <= PCRE2_ERROR_UTF8_ERR1 && rc >= PCRE2_ERROR_UTF8_ERR21) {
-        throw RunnerError("the prompt is not valid UTF-8");
-      }
-      if (rc < 0) break;
-      const PCRE2_SIZE* span = pcre2_get_ovector_pointer(match_.get());
-      if (span[1] == span[0]) break;  // the pattern always consumes; guard against a stall
-      byte_pair_encode(text.substr(span[0], span[1] - span[0]), &out);
-      offset = span[1];
+    std::vector<AddedToken> specials;
+    for (const std::string& name : llama3_special_tokens()) {
+      specials.push_back({name, base_tokens_ + static_cast<int64_t>(specials.size()), true});
     }
-    return out;
+    set_added_tokens(std::move(specials));
   }
 
   std::string token_bytes(int64_t token, int64_t) const override {
@@ -175,6 +177,10 @@ class TiktokenTokenizer : public Tokenizer {
   int64_t bos_id() const override { return base_tokens_; }  // <|begin_of_text|>, the first special token
 
  private:
+  void encode_ordinary(const std::string& text, std::vector<int64_t>* out) const override {
+    for (const std::string& word : split_isolated(pattern_, text)) byte_pair_encode(word, out);
+  }
+
   // Merges the lowest-ranked adjacent pair until no pair is in the vocabulary.
   void byte_pair_encode(const std::string& piece, std::vector<int64_t>* out) const {
     const auto whole = encoder_.find(piece);
@@ -209,9 +215,7 @@ class TiktokenTokenizer : public Tokenizer {
   std::unordered_map<std::string, int> encoder_;
   std::vector<std::string> decoder_;
   int base_tokens_ = 0;
-  // Owned by these handles alone: the tokenizer can be moved but not copied.
-  std::unique_ptr<pcre2_code, decltype(&pcre2_code_free)> regex_{nullptr, pcre2_code_free};
-  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> match_{nullptr, pcre2_match_data_free};
+  Regex pattern_{kLlama3Pattern, false, "the Llama 3 pre-tokenizer"};
 };
 
 }  // namespace
@@ -221,7 +225,49 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path, const std::st
   if (!probe) throw RunnerError("tokenizer " + path + " does not exist or is unreadable");
   if (type == "sentencepiece") return std::make_unique<SentencePieceTokenizer>(path);
   if (type == "tiktoken") return std::make_unique<TiktokenTokenizer>(path);
-  throw RunnerError("tokenizer type '" + type + "' is not supported by composite_runner (sentencepiece, tiktoken are)");
+  if (type == "hf_json") return load_hf_json_tokenizer(path);
+  throw RunnerError("tokenizer type '" + type +
+                    "' is not supported by composite_runner (sentencepiece, tiktoken, hf_json are)");
+}
+
+void Tokenizer::set_added_tokens(std::vector<AddedToken> tokens) {
+  tokens.erase(std::remove_if(tokens.begin(), tokens.end(), [](const AddedToken& t) { return t.text.empty(); }),
+               tokens.end());
+  std::stable_sort(tokens.begin(), tokens.end(),
+                   [](const AddedToken& a, const AddedToken& b) { return a.text.size() > b.text.size(); });
+  added_ = std::move(tokens);
+  first_bytes_.fill(false);
+  for (const AddedToken& token : added_) first_bytes_[static_cast<unsigned char>(token.text[0])] = true;
+}
+
+std::vector<int64_t> Tokenizer::encode(const std::string& text, bool parse_special) const {
+  if (!valid_utf8(text)) throw RunnerError("the prompt is not valid UTF-8");
+  std::vector<int64_t> out;
+  // Leftmost match first, the longest at one position; the text between matches is ordinary.
+  size_t plain_start = 0;
+  for (size_t at = 0; at < text.size();) {
+    const AddedToken* found = nullptr;
+    if (!first_bytes_[static_cast<unsigned char>(text[at])]) {
+      ++at;
+      continue;
+    }
+    for (const AddedToken& token : added_) {
+      if ((parse_special || !token.special) && text.compare(at, token.text.size(), token.text) == 0) {
+        found = &token;
+        break;
+      }
+    }
+    if (found == nullptr) {
+      ++at;
+      continue;
+    }
+    if (at > plain_start) encode_ordinary(text.substr(plain_start, at - plain_start), &out);
+    out.push_back(found->id);
+    at += found->text.size();
+    plain_start = at;
+  }
+  if (plain_start < text.size()) encode_ordinary(text.substr(plain_start), &out);
+  return out;
 }
 
 namespace {
@@ -278,6 +324,11 @@ std::string Utf8Stream::finish() {
   std::string out = pending_.empty() ? "" : kReplacement;
   pending_.clear();
   return out;
+}
+
+bool valid_utf8(const std::string& text) {
+  Utf8Stream stream;
+  return stream.push(text) + stream.finish() == text;
 }
 
 std::string decode(const Tokenizer& tokenizer, const std::vector<int64_t>& tokens, int64_t previous) {

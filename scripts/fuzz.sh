@@ -17,7 +17,7 @@ CC=clang CXX=clang++ bash scripts/build_runner.sh "$build" -DCOMPOSITE_FUZZ=ON -
   -DCOMPOSITE_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 
 # Valid tokenizers for the text fuzzer: the embedded default's SentencePiece model and a small
-# tiktoken ranks file, both made from the package's corpus.
+# tiktoken ranks file, both made from the package's corpus, and the tokenizer.json seed.
 python3 - "$build" <<'PY'
 import base64, sys
 from pathlib import Path
@@ -29,10 +29,11 @@ pieces = [bytes([b]) for b in range(256)] + sorted({w.encode() for w in corpus_t
 (build / "fuzz_tiktoken.model").write_text("".join(f"{base64.b64encode(p).decode()} {i}\n" for i, p in enumerate(pieces)))
 PY
 export COMPOSITE_FUZZ_SENTENCEPIECE="$build/fuzz_sentencepiece.model" COMPOSITE_FUZZ_TIKTOKEN="$build/fuzz_tiktoken.model"
+export COMPOSITE_FUZZ_HF_JSON="tests/fuzz/fuzz_hf_json_load/llama3_style.json"
 export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 mkdir -p "$build/crashes"
-for fuzzer in fuzz_manifest fuzz_tiktoken_load fuzz_tokenizer_text; do
+for fuzzer in fuzz_manifest fuzz_tiktoken_load fuzz_hf_json_load fuzz_tokenizer_text; do
   corpus="$build/corpus/$fuzzer"
   mkdir -p "$corpus"
   "$build/$fuzzer" -max_total_time="$seconds" -print_final_stats=0 -artifact_prefix="$build/crashes/$fuzzer-" \

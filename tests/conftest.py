@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,21 @@ def run_cli(
     if check and result.returncode != 0:
         raise AssertionError(f"{module} {args} failed ({result.returncode}):\n{result.stderr}")
     return result
+
+
+def prompt_tokens_in_both_runners(export: Path, prompt: str, *flags: str) -> int:
+    """How many tokens composite_runner and composite.run make of `prompt` (their stats'
+    prompt_tokens), asserted equal."""
+    counts = []
+    args = ["--artifacts", str(export), "--prompt", prompt, "--max_new_tokens", "1", *flags]
+    with tempfile.TemporaryDirectory() as scratch:
+        stats = Path(scratch) / "stats.json"
+        result = subprocess.run([str(RUNNER), *args, "--stats_json", str(stats)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        counts.append(json.loads(stats.read_text())["prompt_tokens"])
+    counts.append(json.loads(run_cli("composite.run", *args, "--json", check=True).stdout)["prompt_tokens"])
+    assert counts[0] == counts[1], counts
+    return counts[0]
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

@@ -16,7 +16,7 @@ from composite.model.default import corpus_text
 from composite.runtime.reference import generate_reference, reference_model
 from composite.runtime.sampler import Sampler
 from composite.tokenizer import Tokenizer
-from conftest import RUNNER, one_error_line, run_cli
+from conftest import RUNNER, one_error_line, prompt_tokens_in_both_runners, run_cli
 
 TOKENIZE = RUNNER.parent / "composite_tokenize"
 NEW_TOKENS = 64
@@ -31,6 +31,7 @@ TEXTS = [
     "numbers 12345 3.14159 1e-4 and tabs\tand\nnewlines\n\n",
     "byte fallback: ᚠᛇᚻ ⟁ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
     "don't we'll I'M they've",
+    "special tokens: <s>one</s> <unk> <|begin_of_text|>two<|eot_id|><|reserved_special_token_7|>",
 ]
 
 
@@ -150,21 +151,43 @@ def tiktoken_ranks(path: Path) -> None:
 
 
 @pytest.mark.skipif(not TOKENIZE.exists(), reason="composite_tokenize not built")
+@pytest.mark.parametrize("special_as_text", [False, True])
 @pytest.mark.parametrize("kind", ["sentencepiece", "tiktoken"])
-def test_cpp_tokenizers_equal_python(tmp_path, default_tokenizer, kind):
+def test_cpp_tokenizers_equal_python(tmp_path, default_tokenizer, kind, special_as_text):
     if kind == "tiktoken":
         path = tmp_path / "ranks.tiktoken"
         tiktoken_ranks(path)
     else:
         path = default_tokenizer
     python = Tokenizer(path, kind)
-    result = subprocess.run([str(TOKENIZE), kind, str(path)], input=json.dumps(TEXTS), capture_output=True, text=True)
+    flags = ["--special-as-text"] if special_as_text else []
+    result = subprocess.run(
+        [str(TOKENIZE), kind, str(path), *flags], input=json.dumps(TEXTS), capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     for text, cpp in zip(TEXTS, json.loads(result.stdout)):
-        expected = python.encode(text)
+        expected = python.encode(text, parse_special=not special_as_text)
         assert cpp["ids"] == expected, text
         decoded = python.decode(expected[1:])
+        if kind == "sentencepiece" and "<s>" in text:
+            # After a control token mid-text, SentencePiece's whole-sequence decode keeps the word's
+            # space; streaming (both runners) drops it, as after BOS.
+            continue
         assert cpp["text"] == decoded or cpp["text"] == text, (text, cpp["text"], decoded)
+    special = python.specials["</s>" if kind == "sentencepiece" else "<|eot_id|>"]
+    assert (special in json.loads(result.stdout)[-1]["ids"]) is not special_as_text
+
+
+def test_special_tokens_in_a_sentencepiece_prompt(six):
+    python = Tokenizer(six / "tokenizer.model")
+    prompt = "The end.</s><s>Once"
+    # Each text piece is encoded on its own, as Meta's Llama 2 chat code encodes each turn.
+    parsed = python.encode("The end.") + [2, 1] + python.encode("Once", bos=False)
+    assert python.encode(prompt) == parsed
+    assert prompt_tokens_in_both_runners(six, prompt) == len(parsed)
+    as_text = python.encode(prompt, parse_special=False)
+    assert 1 not in as_text[1:] and 2 not in as_text
+    assert prompt_tokens_in_both_runners(six, prompt, "--special_as_text") == len(as_text)
 
 
 def copy_export(folder: Path, target: Path) -> Path:

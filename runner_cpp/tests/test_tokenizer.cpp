@@ -50,10 +50,13 @@ TEST(Tiktoken, MergesByRankAndRoundTrips) {
   auto tokenizer = composite::load_tokenizer(path, "tiktoken");
   EXPECT_EQ(tokenizer->vocab_size(), 6 + 256);
   EXPECT_EQ(tokenizer->bos_id(), 6);
-  const auto ids = tokenizer->encode("ab c", true);
-  EXPECT_EQ(ids, (std::vector<int64_t>{6, 4, 5}));
+  EXPECT_EQ(tokenizer->encode("ab c"), (std::vector<int64_t>{4, 5}));
+  // Special tokens in the text: their ids by default, plain text on request.
+  EXPECT_EQ(tokenizer->encode("<|begin_of_text|>ab<|eot_id|> c"), (std::vector<int64_t>{6, 4, 6 + 9, 5}));
+  // As text, "<" is just a byte, and these ranks have no token for it.
+  EXPECT_THROW(tokenizer->encode("<|eot_id|>", false), composite::RunnerError);
   EXPECT_EQ(composite::decode(*tokenizer, {4, 5}), "ab c");
-  EXPECT_THROW(tokenizer->encode("a\xFF", false), composite::RunnerError);
+  EXPECT_THROW(tokenizer->encode("a\xFF"), composite::RunnerError);
   std::remove(path.c_str());
 }
 
