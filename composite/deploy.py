@@ -241,7 +241,9 @@ def run(args) -> int:
     if transport.name == "local" and not Path(device_dir, "composite_runner").is_file():
         raise UserError(f"nothing pushed to {device_dir}: run 'python -m composite.deploy push' first")
     runner_args = ["--artifacts", device_dir, "--stats_json", f"{device_dir}/stats.json"]
-    if args.prompt is not None:
+    if args.chat:  # the user's turns: this process's stdin, which both transports hand to the runner
+        runner_args += ["--chat"]
+    elif args.prompt is not None:
         runner_args += ["--prompt", args.prompt]
     else:
         runner_args += ["--prompt_ids", args.prompt_ids]
@@ -302,6 +304,7 @@ def parse_args(argv):
             prompt = s.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt")
             prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+            prompt.add_argument("--chat", action="store_true", help="chat with user turns from stdin, one per line")
             s.add_argument(
                 "--stats-out",
                 default="device_stats.json",

@@ -144,12 +144,27 @@ def build_manifest(
         prefill_len=config.prefill_len,
         cache_shapes=cache_shapes(args, config.max_seq_len),
         tokenizer=tokenizer_entry,
-        bos_id=loaded.bos_id if loaded.bos_id is not None else (tokenizer.bos_id if tokenizer else None),
-        eos_ids=list(loaded.eos_ids) or (list(tokenizer.eos_ids) if tokenizer else []),
+        bos_id=bos_id(loaded, tokenizer),
+        eos_ids=sorted(set(loaded.eos_ids) | set(tokenizer.eos_ids if tokenizer else ())),
+        chat=(
+            {"template": tokenizer.chat_family, "end_of_turn_id": tokenizer.end_of_turn_id}
+            if tokenizer is not None and tokenizer.chat_family
+            else None
+        ),
         shards=shards,
         qnn=qnn_summary,
         versions=versions(),
     )
+
+
+def bos_id(loaded: LoadedModel, tokenizer: Tokenizer | None) -> int | None:
+    """A tokenizer.json's post-processor decides BOS, as transformers applies it; otherwise the
+    checkpoint's config, then the tokenizer."""
+    if tokenizer is not None and tokenizer.kind == "hf_json":
+        return tokenizer.bos_id
+    if loaded.bos_id is not None:
+        return loaded.bos_id
+    return tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id >= 0 else None
 
 
 def versions() -> dict:
@@ -223,6 +238,8 @@ def run_export(config: ExportConfig) -> Path:
         qnn_host.activate()  # before any slow work: may re-execute this process once
     output = Path(config.output)
     staging.check_output(output)
+    if config.tokenizer:
+        Tokenizer(Path(config.tokenizer))  # refuse a bad tokenizer before the weights load
     folder = staging.make_staging(output)
     try:
         loaded = load_checkpoint(config.checkpoint, config.params)

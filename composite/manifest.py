@@ -26,6 +26,11 @@ tools (the runners ignore it). Every key is written by every export unless marke
   "tokenizer": {"file": str, "type": "sentencepiece"|"tiktoken"|"hf_json", "sha256": str} | null,
                                                                                   [R: file, type]
   "bos_id": int | null, "eos_ids": [int],                                          [R]
+                                 # eos_ids: every id that ends generation (the tokenizer's eos,
+                                 # end of turn, generation_config.json's eos_token_id list)
+  "chat": {"template": "llama3" | "llama2", "end_of_turn_id": int} | null,        [R: optional]
+                                 # the family's chat template, decided at export from the
+                                 # tokenizer; end_of_turn_id closes an assistant turn
   "shards": [{                                                                     [R: non-empty]
      "index": int, "file": str (no '/'), "sha256": str, "size": int,              [R]
      "layers": [first, end),     # decoder layers, end exclusive; continuous over  [R]
@@ -69,6 +74,7 @@ FILENAME = "manifest.json"
 FLOAT32_MAX = 3.4028234663852886e38
 MASK_HIDDEN = -30000.0  # finite so fp16 backends represent it; exp() of it is 0 in fp32
 DECODE, PREFILL = "decode", "prefill"
+CHAT_TEMPLATES = ("llama3", "llama2")  # runner_cpp/chat.cpp and composite/runtime/chat.py render them
 
 # The dtypes the manifest names, as torch spells them and as ExecuTorch's ScalarType numbers them
 # (runner_cpp/shard_chain.cpp maps the same names for the C++ runtime).
@@ -144,6 +150,7 @@ def document(
     tokenizer: dict | None,
     bos_id: int | None,
     eos_ids: list[int],
+    chat: dict | None,
     shards: list[dict],
     qnn: dict | None,
     versions: dict,
@@ -169,6 +176,7 @@ def document(
         "tokenizer": tokenizer,
         "bos_id": bos_id,
         "eos_ids": eos_ids,
+        "chat": chat,
         "shards": shards,
         "qnn": qnn,
         "versions": versions,
@@ -324,6 +332,11 @@ def parse(text: str, folder: str) -> dict:
     if bos is not None:
         _integer(bos, f"{where} bos_id", 64)
     _integers(_require(j, "eos_ids", where), f"{where} eos_ids")
+    chat = j.get("chat")
+    if chat is not None:
+        if _require_text(chat, "template", f"{where} chat") not in CHAT_TEMPLATES:
+            raise UserError(f"{where}: chat template must be one of {', '.join(CHAT_TEMPLATES)}")
+        _integer(_require(chat, "end_of_turn_id", f"{where} chat"), f"{where} chat end_of_turn_id", 64)
     shards = _require(j, "shards", where)
     if not isinstance(shards, list) or not shards:
         raise UserError(f"{where}: 'shards' must be a non-empty list")

@@ -20,7 +20,8 @@ from composite import manifest as manifest_schema
 from composite import qnn_host
 from composite.errors import UserError, exits_cleanly
 from composite.runtime.chain import ShardChain
-from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, generate, stats
+from composite.runtime.chat import chat
+from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, Generation, check_lengths, generate, stats
 from composite.runtime.reference import generate_reference, reference_model
 from composite.runtime.sampler import Sampler, fresh_seed
 from composite.tokenizer import Tokenizer
@@ -37,6 +38,18 @@ def parse_args(argv):
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (BOS added per the manifest)")
     prompt.add_argument("--prompt-ids", "--prompt_ids", help="prompt token ids, comma separated, used as given")
+    prompt.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat in the model's template: user turns from stdin, one per line, until EOF",
+    )
+    p.add_argument("--system", help="system message of the chat")
+    p.add_argument(
+        "--special-as-text",
+        "--special_as_text",
+        action="store_true",
+        help="encode special-token strings in the prompt (<|eot_id|>, </s>) as text",
+    )
     p.add_argument(
         "--max-new-tokens",
         "--max_new_tokens",
@@ -73,7 +86,8 @@ def prompt_tokens(args, manifest: dict, tokenizer) -> list[int]:
         raise UserError("this export has no tokenizer: use --prompt-ids")
     if not args.prompt:
         raise UserError("the prompt is empty")
-    return tokenizer.encode(args.prompt, bos=manifest.get("bos_id") is not None)
+    bos = [] if manifest.get("bos_id") is None else [manifest["bos_id"]]
+    return bos + tokenizer.encode(args.prompt, bos=False, parse_special=not args.special_as_text)
 
 
 def load_tokenizer(folder: Path, manifest: dict):
@@ -128,12 +142,91 @@ def main(argv=None) -> None:
         raise UserError(f"--temperature must be >= 0, got {args.temperature:g}")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise UserError(f"--seed must be in 0 .. 2^64-1, got {args.seed}")
+    if args.system is not None and not args.chat:
+        raise UserError("--system is for --chat")
+    if args.chat and (args.reference or args.json):
+        raise UserError("--chat runs the export's shards and prints text: drop --reference and --json")
     folder = Path(args.artifacts)
     manifest = manifest_schema.read(folder)
     if not args.reference and any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"]):
         qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
     with quiet.filtered_native_stderr(args.verbose):
-        generate_and_report(args, folder, manifest)
+        (chat_and_report if args.chat else generate_and_report)(args, folder, manifest)
+
+
+def chat_and_report(args, folder: Path, manifest: dict) -> None:
+    tokenizer = load_tokenizer(folder, manifest)
+    if tokenizer is None:
+        raise UserError("--chat needs a tokenizer, and this export has none")
+    if not manifest.get("chat"):
+        raise UserError("this export records no chat template (its tokenizer is of no known chat family)")
+    seq_len = args.seq_len or manifest["max_seq_len"]
+    check_lengths([0], args.max_new_tokens, seq_len, manifest["max_seq_len"])
+    seed = fresh_seed() if args.seed is None else args.seed
+    if args.temperature > 0 and args.seed is None:
+        print(f"seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
+    chain = ShardChain(folder, verify=args.verify)
+    streams = []
+
+    def start_turn(turn: list[int]):
+        streams.append(TextStream(tokenizer, turn[-1:]))
+        return streams[-1]
+
+    def end_turn():
+        streams[-1].finish()
+        print()
+
+    def user_lines():
+        while True:
+            if sys.stdin.isatty():
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                return
+            yield line
+
+    conversation = chat(
+        chain,
+        tokenizer,
+        manifest,
+        user_lines(),
+        Sampler(args.temperature, args.top_p, seed),
+        args.max_new_tokens,
+        seq_len,
+        args.system,
+        on_turn_start=start_turn,
+        on_turn_end=end_turn,
+    )
+    if conversation.context_full:
+        print(conversation.context_full, file=sys.stderr)
+    last = conversation.turns[-1].generation if conversation.turns else Generation([])
+    has_qnn = any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"])
+    report = stats(
+        last,
+        manifest,
+        "composite.run",
+        load_ms=chain.load_seconds * 1e3,
+        threads=None,
+        seed=seed,
+        peak_rss_mb=peak_rss_mb(),
+        qnn_simulator=has_qnn and platform.machine() == "x86_64",
+        turns=[turn.stats() for turn in conversation.turns],
+    )
+    write_stats(args.stats_json, report)
+    print(
+        f"chat: {len(conversation.turns)} turns, {conversation.in_cache} tokens in the context; last turn prefill "
+        f"{last.prefill_tokens_per_s:.1f} tok/s, decode {last.decode_tokens_per_s:.1f} tok/s",
+        file=sys.stderr,
+    )
+
+
+def write_stats(path: str | None, report: dict) -> None:
+    if not path:
+        return
+    try:
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write --stats-json {path}: {e.strerror}") from None
 
 
 def generate_and_report(args, folder: Path, manifest: dict) -> None:
@@ -173,11 +266,7 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
         qnn_simulator=has_qnn and not args.reference and platform.machine() == "x86_64",
         text=continuation(tokenizer, prompt[-1:], generation.tokens) if tokenizer is not None else None,
     )
-    if args.stats_json:
-        try:
-            Path(args.stats_json).write_text(json.dumps(report, indent=1) + "\n")
-        except OSError as e:
-            raise UserError(f"cannot write --stats-json {args.stats_json}: {e.strerror}") from None
+    write_stats(args.stats_json, report)
     if args.json:
         print(json.dumps(report))
         return

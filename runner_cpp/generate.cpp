@@ -42,8 +42,9 @@ std::string stop_reason(int64_t token, int generated, int total, const Limits& l
 }
 
 Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int prefill_width, int vocab_size,
-                    const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token) {
-  check_limits(prompt.size(), limits);
+                    const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token,
+                    int start_pos) {
+  check_limits(start_pos + prompt.size(), limits);
   Generation g;
   g.prompt_tokens = static_cast<int>(prompt.size());
   g.prefill_width = prefill_width;
@@ -54,7 +55,7 @@ Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int p
   for (size_t start = 0; start < prompt.size(); start += prefill_width) {
     const size_t end = std::min(prompt.size(), start + prefill_width);
     const std::vector<int64_t> chunk(prompt.begin() + start, prompt.begin() + end);
-    logits = chain.forward(chunk.size() == 1 ? "decode" : "prefill", chunk, static_cast<int>(start));
+    logits = chain.forward(chunk.size() == 1 ? "decode" : "prefill", chunk, start_pos + static_cast<int>(start));
   }
   int64_t token = sampler.sample(logits, vocab_size);
   g.prefill_seconds = since(prefill_start);
@@ -62,7 +63,7 @@ Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int p
   g.prefill_kv_write_ms_per_token = chain.kv_write_seconds() * 1e3 / g.prompt_tokens;
   chain.reset_stats();
 
-  int pos = g.prompt_tokens;  // where `token` sits
+  int pos = start_pos + g.prompt_tokens;  // where `token` sits
   const auto decode_start = std::chrono::steady_clock::now();
   while (true) {
     g.tokens.push_back(token);

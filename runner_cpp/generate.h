@@ -31,7 +31,8 @@ struct Limits {
   std::vector<int64_t> eos_ids;
 };
 
-// Throws RunnerError when the prompt leaves nothing to generate or seq_len exceeds max_seq_len.
+// Throws RunnerError when the prompt (`prompt_tokens` with everything before it in the cache)
+// leaves nothing to generate or seq_len exceeds max_seq_len.
 void check_limits(size_t prompt_tokens, const Limits& limits);
 
 // Why generation ends after emitting `token`, the `generated`-th new one with `total` tokens in
@@ -54,9 +55,12 @@ struct Generation {
   }
 };
 
-// A lone last prompt token goes through "decode" rather than a padded "prefill" call.
+// Places `prompt` at positions start_pos.. (the cache already holds the tokens before it, as in a
+// chat's later turns) and generates after it. A lone last prompt token goes through "decode"
+// rather than a padded "prefill" call.
 Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int prefill_width, int vocab_size,
-                    const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token);
+                    const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token,
+                    int start_pos = 0);
 
 // Facts of the run beside the generation itself.
 struct RunInfo {

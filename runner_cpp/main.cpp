@@ -1,16 +1,20 @@
 // composite_runner: generate text with an export's shards, chained token by token.
 //
 //   composite_runner --artifacts DIR (--prompt TEXT | --prompt_file F | --prompt_ids 1,2,3) [options]
+//   composite_runner --artifacts DIR --chat [--system TEXT] [options] < user turns, one per line
 //   (composite_runner --help lists the options and their defaults)
 //
 // Text streams to stdout; a one-line summary goes to stderr, and the full stats to --stats_json.
 #include <sys/resource.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -20,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "chat.h"
 #include "cpu_backend.h"
 #include "error.h"
 #include "generate.h"
@@ -38,8 +43,8 @@ namespace {
 constexpr int kDefaultMaxNewTokens = 128;
 
 struct Options {
-  std::string artifacts, prompt, prompt_file, prompt_ids, stats_json;
-  bool has_prompt = false;
+  std::string artifacts, prompt, prompt_file, prompt_ids, stats_json, system;
+  bool has_prompt = false, chat = false, special_as_text = false;
   int seq_len = 0;  // total tokens, prompt included; 0 = max_seq_len
   int max_new_tokens = kDefaultMaxNewTokens;
   float temperature = 0.f, top_p = 1.f;
@@ -61,6 +66,9 @@ const Flag kFlags[] = {
     {"--prompt", "TEXT", "prompt text (BOS added per the manifest); one of the three prompt flags is required"},
     {"--prompt_file", "FILE", "prompt text from a file"},
     {"--prompt_ids", "1,2,3", "prompt token ids, used as given"},
+    {"--chat", nullptr, "chat in the model's template: user turns from stdin, one per line, until EOF"},
+    {"--system", "TEXT", "system message of the chat"},
+    {"--special_as_text", nullptr, "encode special-token strings in the prompt (<|eot_id|>, </s>) as text"},
     {"--max_new_tokens", "N", "stop after N new tokens (default 128)"},
     {"--seq_len", "N", "stop at N tokens in all, prompt included (default: the export's max_seq_len)"},
     {"--temperature", "T", "0 = greedy (default 0)"},
@@ -147,7 +155,10 @@ Options parse_options(int argc, char** argv) {
         print_help();
         std::exit(0);
       }
-      (name == "--verify" ? o.verify : o.verbose) = true;
+      if (name == "--verify") o.verify = true;
+      if (name == "--verbose") o.verbose = true;
+      if (name == "--chat") o.chat = true;
+      if (name == "--special_as_text") o.special_as_text = true;
       continue;
     }
     if (!inline_value) {
@@ -159,7 +170,10 @@ Options parse_options(int argc, char** argv) {
   if (!values.count("--artifacts")) throw RunnerError("--artifacts DIR is required");
   o.artifacts = values["--artifacts"];
   const int prompts = values.count("--prompt") + values.count("--prompt_file") + values.count("--prompt_ids");
-  if (prompts != 1) throw RunnerError("give exactly one of --prompt, --prompt_file, --prompt_ids");
+  if (o.chat && prompts) throw RunnerError("--chat reads the user's turns from stdin: drop the prompt flag");
+  if (!o.chat && prompts != 1) throw RunnerError("give exactly one of --prompt, --prompt_file, --prompt_ids, --chat");
+  if (values.count("--system") && !o.chat) throw RunnerError("--system is for --chat");
+  if (values.count("--system")) o.system = values["--system"];
   if (values.count("--prompt")) o.prompt = values["--prompt"], o.has_prompt = true;
   if (values.count("--prompt_file")) o.prompt_file = values["--prompt_file"];
   if (values.count("--prompt_ids")) o.prompt_ids = values["--prompt_ids"];
@@ -173,11 +187,6 @@ Options parse_options(int argc, char** argv) {
   if (values.count("--stats_json")) o.stats_json = values["--stats_json"];
   if (values.count("--threads")) o.threads = static_cast<int>(parse_number("--threads", values["--threads"], 1, 256));
   return o;
-}
-
-bool valid_utf8(const std::string& s) {
-  Utf8Stream stream;
-  return stream.push(s) + stream.finish() == s;
 }
 
 std::vector<int64_t> prompt_tokens(const Options& o, const Manifest& m, const Tokenizer* tokenizer) {
@@ -210,7 +219,11 @@ std::vector<int64_t> prompt_tokens(const Options& o, const Manifest& m, const To
   if (text.empty()) throw RunnerError("the prompt is empty");
   if (!valid_utf8(text)) throw RunnerError("the prompt is not valid UTF-8");
   if (tokenizer == nullptr) throw RunnerError("this export has no tokenizer: use --prompt_ids");
-  return tokenizer->encode(text, m.bos_id >= 0);
+  std::vector<int64_t> ids;
+  if (m.bos_id >= 0) ids.push_back(m.bos_id);
+  const std::vector<int64_t> body = tokenizer->encode(text, !o.special_as_text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
 }
 
 // This process's own high-water mark. getrusage's ru_maxrss would do, except that Linux carries
@@ -254,6 +267,96 @@ void warn_on_qnn_build_mismatch(const Manifest& manifest) {
   }
 }
 
+// Facts of the run that do not depend on the generation, for the stats.
+void describe_shards(const Manifest& manifest, RunInfo* info) {
+  info->peak_rss_mb = peak_rss_mb();
+  for (const auto& s : manifest.shards) info->shard_backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
+  info->shard_layers = shard_layer_labels(manifest);
+#if defined(__x86_64__)
+  // QNN shards on an x86 host run on Qualcomm's HTP simulator, whose timings say nothing about a phone.
+  info->qnn_simulator = !manifest.qnn_build_id.empty();
+#endif
+}
+
+void write_stats(const std::string& path, const nlohmann::json& stats) {
+  if (path.empty()) return;
+  std::ofstream out(path);
+  if (!out) throw RunnerError("cannot write --stats_json " + path);
+  out << stats.dump(1) << "\n";
+}
+
+// Streams the text of generated tokens to stdout.
+class TextPrinter {
+ public:
+  TextPrinter(const Tokenizer* tokenizer, int64_t previous) : tokenizer_(tokenizer), previous_(previous) {}
+  void operator()(int64_t token) {
+    if (tokenizer_) std::cout << stream_.push(tokenizer_->token_bytes(token, previous_)) << std::flush;
+    previous_ = token;
+  }
+  void finish() {
+    if (tokenizer_) std::cout << stream_.finish();
+    std::cout << std::endl;
+  }
+
+ private:
+  const Tokenizer* tokenizer_;
+  int64_t previous_;
+  Utf8Stream stream_;
+};
+
+// --chat: one user turn per stdin line. The cache keeps the conversation, so each turn prefills
+// only its own tokens; an answer ends at the end of the assistant's turn (any stop id).
+void chat(const Options& o, const Manifest& manifest, const Tokenizer& tokenizer, TokenChain& chain,
+          const Limits& limits, Sampler& sampler, RunInfo& info) {
+  const ChatFormat format{manifest.chat_template, manifest.bos_id, manifest.end_of_turn_id};
+  const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
+  const bool interactive = isatty(STDIN_FILENO);
+  auto is_stop = [&](int64_t t) { return std::count(limits.eos_ids.begin(), limits.eos_ids.end(), t) > 0; };
+  int pos = 0;                   // tokens in the cache
+  std::vector<int64_t> carried;  // an answer's last token when it was cut short: sampled, not yet run
+  nlohmann::json turns = nlohmann::json::array();
+  Generation last;
+  std::string line;
+  while (true) {
+    if (interactive) std::cerr << "> " << std::flush;
+    if (!std::getline(std::cin, line)) break;
+    if (trimmed(line).empty()) continue;
+    std::vector<int64_t> turn = carried;
+    const std::vector<int64_t> user = chat_turn_tokens(tokenizer, format, pos == 0, o.system, line);
+    turn.insert(turn.end(), user.begin(), user.end());
+    if (pos + static_cast<int>(turn.size()) >= limits.seq_len) {
+      std::cerr << "the context is full (" << pos << " of " << limits.seq_len << " tokens used, this turn needs "
+                << turn.size() << " more): the chat ends here\n";
+      break;
+    }
+    TextPrinter printer(&tokenizer, turn.back());
+    last = generate(chain, turn, width, manifest.vocab_size, limits, sampler, std::ref(printer), pos);
+    printer.finish();
+    turns.push_back({{"start_pos", pos},
+                     {"prompt", turn},
+                     {"prompt_tokens", turn.size()},
+                     {"tokens", last.tokens},
+                     {"stop_reason", last.stop_reason},
+                     {"prefill_tokens_per_s", last.prefill_tokens_per_s()},
+                     {"decode_tokens_per_s", last.decode_tokens_per_s()}});
+    pos += static_cast<int>(turn.size() + last.tokens.size()) - 1;
+    carried.clear();
+    if (!is_stop(last.tokens.back())) carried.push_back(last.tokens.back());
+    if (last.stop_reason == "max_seq_len" || last.stop_reason == "seq_len") {
+      std::cerr << "the context is full (" << limits.seq_len << " tokens): the chat ends here\n";
+      break;
+    }
+  }
+  describe_shards(manifest, &info);
+  std::fprintf(stderr,
+               "chat: %zu turns, %d tokens in the context; last turn prefill %.1f tok/s, decode %.1f tok/s, "
+               "peak RSS %.0f MB\n",
+               turns.size(), pos, last.prefill_tokens_per_s(), last.decode_tokens_per_s(), info.peak_rss_mb);
+  nlohmann::json stats = stats_json(last, info);
+  stats["turns"] = turns;
+  write_stats(o.stats_json, stats);
+}
+
 int run(int argc, char** argv) {
   const Options o = parse_options(argc, argv);
   if (o.verbose) setenv("COMPOSITE_LOG", "info", 1);
@@ -268,10 +371,19 @@ int run(int argc, char** argv) {
   std::unique_ptr<Tokenizer> tokenizer;
   if (!manifest.tokenizer_file.empty())
     tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
-  const std::vector<int64_t> prompt = prompt_tokens(o, manifest, tokenizer.get());
   const Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : manifest.max_seq_len, manifest.max_seq_len,
                       manifest.eos_ids};
-  check_limits(prompt.size(), limits);
+  std::vector<int64_t> prompt;
+  if (o.chat) {
+    if (!tokenizer) throw RunnerError("--chat needs a tokenizer, and this export has none");
+    if (manifest.chat_template.empty()) {
+      throw RunnerError("this export records no chat template (its tokenizer is of no known chat family)");
+    }
+    check_limits(1, limits);
+  } else {
+    prompt = prompt_tokens(o, manifest, tokenizer.get());
+    check_limits(prompt.size(), limits);
+  }
   if (has_qnn) warn_on_qnn_build_mismatch(manifest);
   RunInfo info;
   info.threads = configure_cpu_backend(o.threads);
@@ -283,35 +395,23 @@ int run(int argc, char** argv) {
     std::cerr << "seed " << info.seed << " (--seed " << info.seed << " repeats this run)\n";
   }
   Sampler sampler(o.temperature, o.top_p, info.seed);
-  Utf8Stream stream;
-  int64_t previous = prompt.back();
-  auto print_token = [&](int64_t token) {
-    if (tokenizer) std::cout << stream.push(tokenizer->token_bytes(token, previous)) << std::flush;
-    previous = token;
-  };
+  if (o.chat) {
+    chat(o, manifest, *tokenizer, chain, limits, sampler, info);
+    return 0;
+  }
+  TextPrinter printer(tokenizer.get(), prompt.back());
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
-  const Generation g = generate(chain, prompt, width, manifest.vocab_size, limits, sampler, print_token);
-  if (tokenizer) std::cout << stream.finish();
-  std::cout << std::endl;
+  const Generation g = generate(chain, prompt, width, manifest.vocab_size, limits, sampler, std::ref(printer));
+  printer.finish();
   if (g.stop_reason == "max_seq_len") std::cerr << "stopped: reached max_seq_len " << manifest.max_seq_len << "\n";
 
-  info.peak_rss_mb = peak_rss_mb();
-  for (const auto& s : manifest.shards) info.shard_backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
-  info.shard_layers = shard_layer_labels(manifest);
-#if defined(__x86_64__)
-  // QNN shards on an x86 host run on Qualcomm's HTP simulator, whose timings say nothing about a phone.
-  info.qnn_simulator = has_qnn;
-#endif
+  describe_shards(manifest, &info);
   std::fprintf(stderr,
                "prompt %d tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode "
                "%.1f tok/s, peak RSS %.0f MB\n",
                g.prompt_tokens, g.tokens.size(), g.stop_reason.c_str(), info.load_ms, g.prefill_seconds * 1e3,
                g.prefill_tokens_per_s(), g.decode_tokens_per_s(), info.peak_rss_mb);
-  if (!o.stats_json.empty()) {
-    std::ofstream out(o.stats_json);
-    if (!out) throw RunnerError("cannot write --stats_json " + o.stats_json);
-    out << stats_json(g, info).dump(1) << "\n";
-  }
+  write_stats(o.stats_json, stats_json(g, info));
   return 0;
 }
 

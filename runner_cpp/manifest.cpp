@@ -153,6 +153,14 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     const json& bos = require(j, "bos_id", where);
     m.bos_id = bos.is_null() ? -1 : integer<int64_t>(bos, where + " bos_id");
     m.eos_ids = integers<int64_t>(require(j, "eos_ids", where), where + " eos_ids");
+    if (j.contains("chat") && !j["chat"].is_null()) {
+      m.chat_template = require_text(j["chat"], "template", where + " chat");
+      if (m.chat_template != "llama3" && m.chat_template != "llama2") {
+        throw RunnerError(where + ": chat template must be one of llama3, llama2");
+      }
+      m.end_of_turn_id =
+          integer<int64_t>(require(j["chat"], "end_of_turn_id", where + " chat"), where + " chat end_of_turn_id");
+    }
     const json& shards = require(j, "shards", where);
     if (!shards.is_array() || shards.empty()) throw RunnerError(where + ": 'shards' must be a non-empty list");
     int expected_layer = 0;

@@ -42,7 +42,9 @@ struct Manifest {
   float mask_hidden = 0.f;
   std::string tokenizer_file, tokenizer_type;  // empty when the export has no tokenizer
   int64_t bos_id = -1;
-  std::vector<int64_t> eos_ids;
+  std::vector<int64_t> eos_ids;  // every id that ends generation
+  std::string chat_template;     // "llama3", "llama2"; empty when the export records none
+  int64_t end_of_turn_id = -1;
   std::vector<ShardInfo> shards;
   std::string qnn_build_id;  // QNN libraries the QNN shards were compiled with; empty if none
 

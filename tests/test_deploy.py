@@ -101,6 +101,24 @@ def test_run_pulls_stats_that_render_one_entry_per_shard(local_device, tmp_path)
     assert [ms for _, ms in plotted["decode"]["stats"][:-1]] == stats["shard_ms_per_token"]
 
 
+def test_run_passes_a_chat_through_stdin(local_device, tmp_path):
+    _, common, first, _ = local_device
+    assert first.returncode == 0, first.stderr
+    stats_path = tmp_path / "chat.json"
+    flags = ["--stats-out", str(stats_path), "--", "--max_new_tokens", "4", "--system", "Be brief."]
+    run = subprocess.run(
+        [sys.executable, "-m", "composite.deploy", "run", *common, "--chat", *flags],
+        input="Hello robot\nTell me more\n",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr
+    turns = json.loads(stats_path.read_text())["turns"]
+    assert len(turns) == 2 and turns[0]["start_pos"] == 0 and turns[1]["start_pos"] > len(turns[0]["prompt"])
+    assert turns[1]["prompt_tokens"] < turns[1]["start_pos"]  # the second turn prefills only itself
+
+
 def fake_adb(folder, devices: list[str]):
     """An adb on PATH that lists `devices` and fails anything else."""
     folder.mkdir(exist_ok=True)

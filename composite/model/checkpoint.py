@@ -176,9 +176,20 @@ def load_hf(folder: Path) -> LoadedModel:
         if (folder / candidate).exists():
             tokenizer = folder / candidate
             break
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return LoadedModel(model.eval(), "hf", str(folder), tokenizer, config.get("bos_token_id"), eos_ids)
+    return LoadedModel(model.eval(), "hf", str(folder), tokenizer, config.get("bos_token_id"), stop_ids(folder, config))
+
+
+def stop_ids(folder: Path, config: dict) -> tuple[int, ...]:
+    """Every eos_token_id config.json and generation_config.json name (an id or a list: Llama 3
+    Instruct lists end of text, end of message and end of turn)."""
+    ids: set[int] = set()
+    generation = folder / "generation_config.json"
+    for source in (config, read_json(generation) if generation.exists() else {}):
+        eos = source.get("eos_token_id")
+        for value in eos if isinstance(eos, list) else [eos]:
+            if isinstance(value, int) and not isinstance(value, bool):
+                ids.add(value)
+    return tuple(sorted(ids))
 
 
 def load_checkpoint(checkpoint: str | None, params: str | None) -> LoadedModel:

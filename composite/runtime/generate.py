@@ -41,14 +41,15 @@ class Generation:
         return self.decode_calls / self.decode_seconds if self.decode_calls and self.decode_seconds else 0.0
 
 
-def check_lengths(prompt: list[int], max_new_tokens: int, seq_len: int, max_seq_len: int) -> None:
+def check_lengths(prompt: list[int], max_new_tokens: int, seq_len: int, max_seq_len: int, in_cache: int = 0) -> None:
+    """in_cache: tokens already in the cache before the prompt."""
     if not prompt:
         raise UserError("the prompt is empty")
     if seq_len > max_seq_len:
         raise UserError(f"--seq-len {seq_len} is beyond this export's max_seq_len {max_seq_len}")
-    if len(prompt) >= seq_len:
+    if in_cache + len(prompt) >= seq_len:
         raise UserError(
-            f"the prompt has {len(prompt)} tokens but the sequence limit is {seq_len} "
+            f"the prompt has {in_cache + len(prompt)} tokens but the sequence limit is {seq_len} "
             f"(max_seq_len {max_seq_len}): nothing left to generate"
         )
     if max_new_tokens < 1:
@@ -78,16 +79,16 @@ class Limits:
         check_lengths(prompt, self.max_new_tokens, self.seq_len, self.max_seq_len)
 
 
-def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation) -> torch.Tensor:
+def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation, start_pos: int = 0) -> torch.Tensor:
     width = chain.methods[PREFILL]
     last = None
     for start in range(0, len(prompt), width):
         chunk = prompt[start : start + width]
         # A lone trailing token is cheaper through decode than padded through prefill.
         method = DECODE if len(chunk) == 1 else PREFILL
-        last = chain.forward(method, chunk, start)
+        last = chain.forward(method, chunk, start_pos + start)
         if keep_logits:
-            generation.logits[start + len(chunk) - 1] = last.clone()
+            generation.logits[start_pos + start + len(chunk) - 1] = last.clone()
     return last
 
 
@@ -100,20 +101,24 @@ def generate(
     keep_logits=False,
     on_token=None,
     seq_len: int | None = None,
+    start_pos: int = 0,
 ) -> Generation:
-    """seq_len: tokens in all, prompt included (default: the export's max_seq_len)."""
+    """seq_len: tokens in all, prompt included (default: the export's max_seq_len). start_pos: the
+    cache already holds that many tokens before the prompt (a chat's later turns); 0 starts afresh."""
     limits = Limits(max_new_tokens, seq_len or chain.max_seq_len, chain.max_seq_len, tuple(eos_ids))
-    limits.check(prompt)
-    chain.reset()
+    check_lengths(prompt, max_new_tokens, limits.seq_len, limits.max_seq_len, in_cache=start_pos)
+    if start_pos == 0:
+        chain.reset()
+    chain.reset_stats()
     generation = Generation(list(prompt))
     started = time.perf_counter()
-    logits = prefill(chain, prompt, keep_logits, generation)
+    logits = prefill(chain, prompt, keep_logits, generation, start_pos)
     token = sampler(logits)
     generation.prefill_seconds = generation.first_token_seconds = time.perf_counter() - started
     generation.prefill_shard_ms_per_token = [s * 1e3 / len(prompt) for s in chain.shard_seconds]
     generation.prefill_kv_write_ms_per_token = chain.kv_write_seconds * 1e3 / len(prompt)
     chain.reset_stats()
-    pos = len(prompt)
+    pos = start_pos + len(prompt)
     decode_started = time.perf_counter()
     while True:
         generation.tokens.append(token)

@@ -125,3 +125,20 @@ TEST(Generate, StatsSplitPrefillAndDecodeTimePerToken) {
   EXPECT_EQ(stats["shard_ms_per_token"].size(), 2u);
   EXPECT_EQ(stats["stop_reason"], "max_new_tokens");
 }
+
+TEST(Generate, PlacesAPromptAfterWhatTheCacheHolds) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  // A chat's later turn: 10 tokens already in the cache, 4 new ones prefilled from position 10.
+  const Generation g = generate(chain, {1, 2, 3, 4}, 3, 100, limits(2, 64), greedy, nullptr, 10);
+  ASSERT_EQ(chain.calls.size(), 3u);
+  EXPECT_EQ(chain.calls[0].method, "prefill");
+  EXPECT_EQ(chain.calls[0].pos, 10);
+  EXPECT_EQ(chain.calls[1].method, "decode");
+  EXPECT_EQ(chain.calls[1].pos, 13);
+  EXPECT_EQ(chain.calls[2].pos, 14);  // the first generated token
+  EXPECT_EQ(g.prompt_tokens, 4);
+  EXPECT_EQ(g.tokens, (std::vector<int64_t>{5, 6}));
+  // The tokens before count against the sequence limit.
+  EXPECT_THROW(generate(chain, {1, 2, 3, 4}, 3, 100, limits(2, 14), greedy, nullptr, 10), RunnerError);
+}
