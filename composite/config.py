@@ -11,6 +11,9 @@ YAML keys (all optional):
                                   per-shard options, e.g. {backend: xnnpack, quantize: 8da4w}
   xnnpack: {quantize, group_size} defaults for XNNPACK shards (quantize: none | 8da4w)
   qnn: {soc, precision, ...}      defaults for QNN shards
+  embedding_quantize              "none" (default), "8,0" (8-bit, a scale per row) or "4,32"
+                                  (4-bit, a scale per 32 columns): BITS,GROUP as ExecuTorch's
+                                  export_llama --embedding-quantize spells it
   output                          artifacts folder, default "artifacts"
 """
 
@@ -40,6 +43,7 @@ TOP_LEVEL_KEYS = (
     "placement",
     "xnnpack",
     "qnn",
+    "embedding_quantize",
     "output",
 )
 BACKEND_OPTION_KEYS = {
@@ -76,7 +80,25 @@ class ExportConfig:
     placement: object = "xnnpack"  # as written; resolved by `placements()`
     xnnpack: dict = field(default_factory=dict)
     qnn: dict = field(default_factory=dict)
+    embedding_quantize: object = "none"  # as written; parsed by `embedding_bits_and_group()`
     output: str = "artifacts"
+
+    def embedding_bits_and_group(self) -> tuple[int, int] | None:
+        """(bits, group size; 0 = one scale per row) of the quantized embedding, or None."""
+        text = str(self.embedding_quantize).strip()
+        if text in ("none", ""):
+            return None
+        parts = [p.strip() for p in text.split(",")]
+        try:
+            bits, group = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+        except ValueError:
+            bits, group = None, None
+        if len(parts) > 2 or bits not in (4, 8) or group is None or group < 0:
+            raise UserError(
+                f"embedding_quantize must be none or BITS,GROUP with BITS 4 or 8 and GROUP >= 0 "
+                f"(0 = a scale per row), e.g. 8,0 or 4,32; got {self.embedding_quantize!r}"
+            )
+        return bits, group
 
     def placements(self) -> list[Placement]:
         """One resolved Placement per shard."""
@@ -249,6 +271,12 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
     ):
         raise UserError("layers_per_shard must be a list of integers, one per shard")
     config.placements()  # validate now, before any slow work
+    quantized_embedding = config.embedding_bits_and_group()
+    if quantized_embedding is not None and config.placements()[0].backend == "qnn":
+        raise UserError(
+            "embedding_quantize is for an embedding shard on xnnpack or portable; shard 0 is a QNN shard, "
+            "whose precision quantizes its embedding"
+        )
     return config
 
 
@@ -277,6 +305,7 @@ def config_from_flags(args) -> ExportConfig:
         "max_seq_len": args.max_seq_len,
         "prefill_len": args.prefill_len,
         "output": args.output,
+        "embedding_quantize": args.embedding_quantize,
     }
     config = build_config(args.config, overrides)
     if args.quantize is not None:

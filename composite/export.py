@@ -33,7 +33,7 @@ from composite import manifest as manifest_schema
 from composite import qnn_host, staging
 from composite.config import ExportConfig, Placement, config_from_flags
 from composite.errors import UserError, exits_cleanly
-from composite.lowering import LoweredShard, finish, lower_shard
+from composite.lowering import LoweredShard, embedding, finish, lower_shard
 from composite.lowering.xnnpack import check_group_sizes
 from composite.manifest import DECODE, PREFILL
 from composite.model.checkpoint import load_checkpoint
@@ -57,6 +57,10 @@ def parse_args(argv):
     p.add_argument("--prefill-len", type=int, help="tokens per prefill call (default 64)")
     p.add_argument("--quantize", choices=["none", "8da4w"], help="XNNPACK weight quantization")
     p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
+    p.add_argument(
+        "--embedding-quantize",
+        help="quantize the embedding table: BITS,GROUP, e.g. 8,0 (8-bit, a scale per row) or 4,32 (default none)",
+    )
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
@@ -76,6 +80,10 @@ def lower_all(
     io = [{m: shard_io(model.args, spec, n, config.max_seq_len) for m, n in methods.items()} for spec in specs]
     examples = [{m: tuple(t.example() for t in inputs) for m, (inputs, _) in shard.items()} for shard in io]
     modules = [ShardModule(model, spec).eval() for spec in specs]
+    embedding_notes = []
+    if config.embedding_bits_and_group() is not None:
+        bits, group = config.embedding_bits_and_group()
+        embedding_notes = embedding.quantize(modules[0], bits, group, specs[-1].index, model.args.tie_embeddings)
     qnn = None
     if any(p.backend == "qnn" for p in placements):
         from composite.lowering.qnn import QnnShardLowering, QnnShards
@@ -93,7 +101,8 @@ def lower_all(
         if placement.backend == "qnn":
             qnn.lower(spec.index)  # written once all QNN shards share one spill-fill size
         else:
-            lowered = finish(*lower_shard(modules[spec.index], examples[spec.index], placement))
+            module, notes = lower_shard(modules[spec.index], examples[spec.index], placement)
+            lowered = finish(module, notes + (embedding_notes if spec.has_embedding else []))
             entries[spec.index] = write_shard(
                 folder, spec, placement, lowered, io[spec.index], time.perf_counter() - started
             )
@@ -245,6 +254,8 @@ def run_export(config: ExportConfig) -> Path:
         loaded = load_checkpoint(config.checkpoint, config.params)
         specs = plan_shards(loaded.model.args, config.shards, config.layers_per_shard)
         check_group_sizes(loaded.model.args, placements)
+        if config.embedding_bits_and_group() is not None:
+            embedding.check(loaded.model.args.dim, *config.embedding_bits_and_group())
         tokenizer = tokenizer_for_model(config.tokenizer or loaded.tokenizer_path, loaded.model.args.vocab_size)
         shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, folder)
         if tokenizer is not None:

@@ -1,15 +1,23 @@
-"""XNNPACK 8da4w shards: smaller, fully delegated, and close to fp32."""
+"""XNNPACK 8da4w shards: smaller, fully delegated, and close to fp32; quantized embedding tables."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
+import pytest
 import torch
+from torch import nn
 
+from composite.config import build_config
+from composite.errors import UserError
+from composite.lowering.embedding import QuantizedEmbedding
+from composite.model.default import load_default
 from composite.runtime.chain import ShardChain
 from composite.runtime.generate import generate
+from composite.runtime.reference import generate_reference
 from composite.runtime.sampler import Sampler
-from conftest import export
+from conftest import RUNNER, assert_clean_failure, export, run_cli
 
 
 def test_8da4w_shards(workdir, default_exports):
@@ -28,3 +36,55 @@ def test_8da4w_shards(workdir, default_exports):
         torch.nn.functional.cosine_similarity(quantized[p], reference[p], dim=0).item() for p in prompt_positions
     ]
     assert min(cosines) > 0.95, cosines
+
+
+@pytest.mark.parametrize(("setting", "bits", "group"), [("4,32", 4, 32), ("8,0", 8, 0)])
+def test_quantized_embedding_generates_what_its_table_gives_in_eager(workdir, default_exports, setting, bits, group):
+    folder = export(workdir / f"default_2_embedding_{bits}", shards=2, embedding_quantize=setting)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    fp32 = json.loads((default_exports[2] / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    assert first["notes"][0].startswith(f"embedding {bits}-bit")
+    assert any(op.startswith("quantized_decomposed::embedding") for op in first["cpu_ops"]["decode"])
+    model = load_default().model
+    table = model.tok_embeddings.weight.detach()
+    quantized = QuantizedEmbedding(table, bits, group)
+    # 4 bits + a float16 scale per 32 values, or 8 bits + one per row, instead of 32 bits.
+    stored = quantized.stored_bytes()
+    assert stored == table.numel() * bits // 8 + table.shape[0] * (table.shape[1] // (group or table.shape[1])) * 2
+    assert fp32["shards"][0]["size"] - first["size"] >= table.numel() * 4 - stored - 4096
+    # The same quantized model in eager PyTorch: the float model with the table the kernels read.
+    model.tok_embeddings.weight = nn.Parameter(quantized.dequantized())  # the tied head keeps the float table
+    prompt = list(range(1, 20))
+    reference = generate_reference(model, prompt, 16, manifest["max_seq_len"], Sampler(), keep_logits=True)
+    ours = generate(ShardChain(folder), prompt, 16, Sampler(), keep_logits=True)
+    assert ours.tokens == reference.tokens
+    assert max((ours.logits[p] - reference.logits[p]).abs().max().item() for p in ours.logits) < 1e-4
+    if RUNNER.exists():
+        stats = folder / "stats.json"
+        ids = ",".join(map(str, prompt))
+        result = subprocess.run(
+            [str(RUNNER), "--artifacts", str(folder), "--prompt_ids", ids, "--max_new_tokens", "16"]
+            + ["--stats_json", str(stats)],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+        assert json.loads(stats.read_text())["tokens"] == reference.tokens
+
+
+@pytest.mark.parametrize(
+    ("setting", "phrase"),
+    [("3,32", "BITS 4 or 8"), ("4,-1", "GROUP >= 0"), ("four", "BITS,GROUP"), ("4,32,1", "BITS,GROUP")],
+)
+def test_bad_embedding_quantize_settings_are_refused(setting, phrase):
+    with pytest.raises(UserError, match=phrase):
+        build_config(None, {"embedding_quantize": setting})
+
+
+def test_embedding_quantize_needs_a_cpu_embedding_shard_and_a_fitting_group(tmp_path):
+    with pytest.raises(UserError, match="QNN shard"):
+        build_config(None, {"embedding_quantize": "4,32", "shards": 2, "placement": ["qnn", "xnnpack"]})
+    out = tmp_path / "out"
+    result = run_cli("composite.export", "--embedding-quantize", "4,48", "--output", str(out))
+    assert_clean_failure(result, "group size 48 does not divide the model's dim 128", output=out)

@@ -95,6 +95,10 @@ class ShardChain(Chain):
         manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
         if any(shard["placement"]["backend"] == "qnn" for shard in self.manifest["shards"]):
             qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
+        cpu_ops = {op for shard in self.manifest["shards"] for ops in shard.get("cpu_ops", {}).values() for op in ops}
+        if any(op.startswith("quantized_decomposed::") for op in cpu_ops):
+            # A quantized embedding: ExecuTorch's Python runtime registers those kernels on import.
+            import executorch.kernels.quantized  # noqa: F401
         runtime = Runtime.get()
         started = time.perf_counter()
         runners = []
