@@ -86,12 +86,34 @@ DTYPES = {
     "uint8": ("torch.uint8", 0),
     "uint16": ("torch.uint16", 27),
 }
+DTYPE_BYTES = {"float32": 4, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "uint16": 2}
 DTYPE_NAMES = {torch_name: name for name, (torch_name, _) in DTYPES.items()}
 SCALAR_TYPE_NAMES = {code: name for name, (_, code) in DTYPES.items()}
 
 
 def dtype_name(dtype) -> str:
     return DTYPE_NAMES[str(dtype)]
+
+
+def tensor_bytes(entry: dict) -> int:
+    return math.prod(entry["shape"]) * DTYPE_BYTES[entry["dtype"]]
+
+
+def memory_figures(manifest: dict) -> dict:
+    """Bytes the runners hold and move, from the manifest alone (composite_runner's memory_figures
+    computes the same): the KV cache in all and per shard, and what each shard takes in and gives
+    out per decode step (the cache it reads included)."""
+    kv = manifest["kv_cache"]
+    per_layer = (math.prod(kv["k_shape"]) + math.prod(kv["v_shape"])) * DTYPE_BYTES[kv["dtype"]]
+    per_shard = [(end - first) * per_layer for first, end in (s["layers"] for s in manifest["shards"])]
+    io = [
+        {
+            "in": sum(tensor_bytes(t) for t in s["io"][DECODE]["inputs"]),
+            "out": sum(tensor_bytes(t) for t in s["io"][DECODE]["outputs"]),
+        }
+        for s in manifest["shards"]
+    ]
+    return {"kv_cache_bytes": sum(per_shard), "kv_cache_bytes_per_shard": per_shard, "decode_io_bytes_per_shard": io}
 
 
 def tensor_entries(specs) -> list[dict]:

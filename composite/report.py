@@ -35,6 +35,10 @@ class RunTimes:
     decode_tokens_per_s: float
     prefill_tokens_per_s: float
     qnn_simulated: bool = False  # QNN shards ran on the x86 HTP simulator: not a phone's timing
+    # Bytes per shard: the KV cache it owns, and what it takes in / gives out per decode step
+    # (absent from stats written before these were recorded).
+    kv_bytes: list[int] | None = None
+    io_bytes: list[tuple[int, int]] | None = None
 
 
 def _number_list(stats: dict, key: str, count: int, source: str) -> list[float]:
@@ -79,19 +83,35 @@ def read_stats(path: Path, label: str | None = None) -> RunTimes:
         decode_tokens_per_s=float(stats["decode_tokens_per_s"]),
         prefill_tokens_per_s=float(stats["prefill_tokens_per_s"]),
         qnn_simulated=bool(stats.get("qnn_simulator", False)),
+        kv_bytes=_number_list(stats, "kv_cache_bytes_per_shard", n, str(path)) if "kv_cache_bytes" in stats else None,
+        io_bytes=_io_bytes(stats, n, str(path)) if "decode_io_bytes_per_shard" in stats else None,
     )
 
 
+def _io_bytes(stats: dict, count: int, source: str) -> list[tuple[int, int]]:
+    values = stats["decode_io_bytes_per_shard"]
+    if not isinstance(values, list) or len(values) != count or not all(isinstance(v, dict) for v in values):
+        raise UserError(f"{source}: 'decode_io_bytes_per_shard' must list {count} {{in, out}} entries, one per shard")
+    return [(int(v.get("in", 0)), int(v.get("out", 0))) for v in values]
+
+
 def markdown_table(runs: list[RunTimes]) -> str:
-    rows = ["| run | shard | backend | decode ms/token | prefill ms/token |", "|---|---|---|---:|---:|"]
+    rows = [
+        "| run | shard | backend | decode ms/token | prefill ms/token | KV cache MB | decode step in / out KB |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for run in runs:
-        for name, backend, d, p in zip(run.shard_labels, run.backends, run.decode_ms, run.prefill_ms):
-            rows.append(f"| {run.label} | {name} | {backend} | {d:.3f} | {p:.3f} |")
-        rows.append(f"| {run.label} | KV update | runner | {run.decode_kv_ms:.3f} | {run.prefill_kv_ms:.3f} |")
+        n = len(run.backends)
+        kv = [f"{b / 1e6:.2f}" for b in run.kv_bytes] if run.kv_bytes else [""] * n
+        io = [f"{i / 1e3:.1f} / {o / 1e3:.1f}" for i, o in run.io_bytes] if run.io_bytes else [""] * n
+        for name, backend, d, p, k, x in zip(run.shard_labels, run.backends, run.decode_ms, run.prefill_ms, kv, io):
+            rows.append(f"| {run.label} | {name} | {backend} | {d:.3f} | {p:.3f} | {k} | {x} |")
+        rows.append(f"| {run.label} | KV update | runner | {run.decode_kv_ms:.3f} | {run.prefill_kv_ms:.3f} | | |")
+        total_kv = f"{sum(run.kv_bytes) / 1e6:.2f}" if run.kv_bytes else ""
         rows.append(
             f"| {run.label} | **total** | | {sum(run.decode_ms) + run.decode_kv_ms:.3f} "
             f"({run.decode_tokens_per_s:.1f} tok/s) | {sum(run.prefill_ms) + run.prefill_kv_ms:.3f} "
-            f"({run.prefill_tokens_per_s:.1f} tok/s) |"
+            f"({run.prefill_tokens_per_s:.1f} tok/s) | {total_kv} | |"
         )
     return "\n".join(rows)
 

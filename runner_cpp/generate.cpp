@@ -101,6 +101,12 @@ nlohmann::json stats_json(const Generation& g, const RunInfo& run) {
   stats["peak_rss_mb"] = run.peak_rss_mb;
   stats["shard_backends"] = run.shard_backends;
   stats["shard_layers"] = run.shard_layers;
+  stats["kv_cache_bytes"] = run.memory.kv_cache_bytes;
+  stats["kv_cache_bytes_per_shard"] = run.memory.kv_cache_bytes_per_shard;
+  stats["decode_io_bytes_per_shard"] = nlohmann::json::array();
+  for (const auto& [in, out] : run.memory.decode_io_bytes_per_shard) {
+    stats["decode_io_bytes_per_shard"].push_back({{"in", in}, {"out", out}});
+  }
   stats["qnn_simulator"] = run.qnn_simulator;
   return stats;
 }

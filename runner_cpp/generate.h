@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "manifest.h"
 #include "sampler.h"
 
 namespace composite {
@@ -70,6 +71,7 @@ struct RunInfo {
   double peak_rss_mb = 0;
   std::vector<std::string> shard_backends, shard_layers;
   bool qnn_simulator = false;  // QNN shards ran on the x86 HTP simulator
+  MemoryFigures memory;
 };
 
 // The --stats_json document (its keys are listed in the README, "Stats").

@@ -272,6 +272,7 @@ void describe_shards(const Manifest& manifest, RunInfo* info) {
   info->peak_rss_mb = peak_rss_mb();
   for (const auto& s : manifest.shards) info->shard_backends.push_back(s.backends.empty() ? "portable" : s.backends[0]);
   info->shard_layers = shard_layer_labels(manifest);
+  info->memory = memory_figures(manifest);
 #if defined(__x86_64__)
   // QNN shards on an x86 host run on Qualcomm's HTP simulator, whose timings say nothing about a phone.
   info->qnn_simulator = !manifest.qnn_build_id.empty();

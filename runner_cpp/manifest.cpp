@@ -24,6 +24,34 @@ int64_t TensorDesc::numel() const {
 }
 
 namespace {
+int64_t dtype_bytes(const std::string& dtype) {
+  if (dtype == "int64") return 8;
+  if (dtype == "float32" || dtype == "int32") return 4;
+  if (dtype == "float16" || dtype == "uint16") return 2;
+  return 1;  // uint8
+}
+}  // namespace
+
+int64_t TensorDesc::bytes() const { return numel() * dtype_bytes(dtype); }
+
+MemoryFigures memory_figures(const Manifest& manifest) {
+  MemoryFigures figures;
+  int64_t k = 1, v = 1;
+  for (int64_t d : manifest.k_shape) k *= d;
+  for (int64_t d : manifest.v_shape) v *= d;
+  const int64_t per_layer = (k + v) * dtype_bytes("float32");  // the only KV dtype the readers accept
+  for (const ShardInfo& shard : manifest.shards) {
+    figures.kv_cache_bytes_per_shard.push_back((shard.layer_end - shard.layer_first) * per_layer);
+    figures.kv_cache_bytes += figures.kv_cache_bytes_per_shard.back();
+    int64_t in = 0, out = 0;
+    for (const TensorDesc& t : shard.io.at("decode").inputs) in += t.bytes();
+    for (const TensorDesc& t : shard.io.at("decode").outputs) out += t.bytes();
+    figures.decode_io_bytes_per_shard.emplace_back(in, out);
+  }
+  return figures;
+}
+
+namespace {
 
 const json& require(const json& object, const char* key, const std::string& where) {
   if (!object.is_object() || !object.contains(key)) {

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace composite {
@@ -12,6 +13,7 @@ struct TensorDesc {
   std::vector<int64_t> shape;
   std::string dtype;  // "float32", "int64", ...
   int64_t numel() const;
+  int64_t bytes() const;  // numel times the dtype's size
 };
 
 struct MethodIO {
@@ -59,5 +61,15 @@ Manifest parse_manifest(const std::string& json_text, const std::string& folder)
 void check_files(const Manifest& manifest, bool verify_sha256);
 
 std::string sha256_file(const std::string& path);
+
+// Bytes the runner holds and moves, from the manifest alone (composite/manifest.py's
+// memory_figures computes the same): the KV cache in all and per shard, and what each shard takes
+// in and gives out per decode step (the cache it reads included).
+struct MemoryFigures {
+  int64_t kv_cache_bytes = 0;
+  std::vector<int64_t> kv_cache_bytes_per_shard;
+  std::vector<std::pair<int64_t, int64_t>> decode_io_bytes_per_shard;  // (in, out)
+};
+MemoryFigures memory_figures(const Manifest& manifest);
 
 }  // namespace composite

@@ -310,6 +310,19 @@ def test_both_runners_write_one_stats_schema_that_the_report_reads(six, tmp_path
     for key in ("tokens", "prompt_tokens", "stop_reason", "prefill_width", "shard_backends", "shard_layers"):
         assert ours[key] == theirs[key], key
     assert len(theirs["shard_ms_per_token"]) == len(theirs["prefill_shard_ms_per_token"]) == 6
+    # Memory figures, from the manifest: K and V of every layer in float32, per shard by its layers.
+    manifest = json.loads((six / "manifest.json").read_text())
+    model, max_seq_len = manifest["model"], manifest["max_seq_len"]
+    per_layer = 2 * model["n_kv_heads"] * model["head_dim"] * max_seq_len * 4
+    layers = [end - first for first, end in (s["layers"] for s in manifest["shards"])]
+    for stats in (ours, theirs):
+        assert stats["kv_cache_bytes"] == model["n_layers"] * per_layer
+        assert stats["kv_cache_bytes_per_shard"] == [n * per_layer for n in layers]
+        assert stats["decode_io_bytes_per_shard"] == ours["decode_io_bytes_per_shard"]
+    middle = ours["decode_io_bytes_per_shard"][1]  # hidden, input_pos, mask, caches in; hidden, new entries out
+    dim, kv_row = model["dim"], model["n_kv_heads"] * model["head_dim"]
+    assert middle["in"] == dim * 4 + 8 + (max_seq_len + 1) * 4 + layers[1] * per_layer
+    assert middle["out"] == dim * 4 + layers[1] * 2 * kv_row * 4
     report = run_cli("composite.report", str(cpp_stats), str(python_stats), "--png", str(tmp_path / "r.png"))
     assert report.returncode == 0, report.stderr
     assert report.stdout.count("**total**") == 2

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from composite.errors import UserError
-from composite.manifest import DECODE, PREFILL
+from composite.manifest import DECODE, PREFILL, memory_figures
 
 # Both runners' default (runner_cpp/main.cpp says the same).
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -159,6 +159,7 @@ def stats(generation: Generation, manifest: dict, runner: str, **run_info) -> di
         "prefill_width": manifest["methods"][PREFILL],
         "shard_backends": [(s.get("backends") or ["portable"])[0] for s in manifest["shards"]],
         "shard_layers": [shard_label(s) for s in manifest["shards"]],
+        **memory_figures(manifest),
         **run_info,
     }
 
