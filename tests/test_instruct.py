@@ -317,3 +317,16 @@ def test_unsupported_tokenizer_json_is_refused_at_export(instruct_folder, workdi
         "composite.export", "--checkpoint", str(folder), "--tokenizer", str(wordpiece), "--output", str(out)
     )
     assert_clean_failure(result, "model type WordPiece", "byte-level BPE", output=out)
+
+
+@pytest.mark.parametrize("runner", ["cpp", "python"])
+def test_an_answer_cut_short_keeps_its_last_token(instruct_export, instruct_folder, runner, tmp_path):
+    """One new token per turn: the answer's token was sampled but never run, so the next turn
+    prefills it before closing the assistant's turn."""
+    _, _, ids = instruct_folder
+    result = run_chat(runner, instruct_export, tmp_path / "short.json", "--max_new_tokens", "1")
+    assert result.returncode == 0, result.stderr
+    first, second = json.loads((tmp_path / "short.json").read_text())["turns"]
+    assert first["stop_reason"] == "max_new_tokens" and len(first["tokens"]) == 1
+    assert second["start_pos"] == len(first["prompt"])
+    assert second["prompt"][:2] == [first["tokens"][0], ids["<|eot_id|>"]]
