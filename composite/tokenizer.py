@@ -151,7 +151,13 @@ def check_hf_json(path: Path) -> int | None:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"tokenizer {path} is not a valid tokenizer.json: {e}") from None
-    where = f"tokenizer {path}"
+    try:
+        return _check_hf_json(doc, f"tokenizer {path}")
+    except (AttributeError, KeyError, TypeError, IndexError) as e:  # a field of an unexpected JSON type
+        raise UserError(f"tokenizer {path} is malformed: {type(e).__name__} {e}") from None
+
+
+def _check_hf_json(doc, where: str) -> int | None:
     model = doc.get("model") if isinstance(doc, dict) else None
     kind = model.get("type", "BPE") if isinstance(model, dict) else "none"
     if kind != "BPE":

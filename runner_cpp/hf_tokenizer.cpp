@@ -102,7 +102,7 @@ class HfJsonTokenizer : public Tokenizer {
 
   void add_pre_tokenizer(const json& p) {
     if (p.is_null()) return;
-    if (!p.is_object()) throw fail("has a pre_tokenizer that is not an object");
+    if (!p.is_object()) throw fail("is malformed: a pre_tokenizer that is not an object");
     const std::string type = p.value("type", "");
     if (type == "Sequence" && p.contains("pretokenizers") && p["pretokenizers"].is_array()) {
       for (const json& step : p["pretokenizers"]) add_pre_tokenizer(step);
