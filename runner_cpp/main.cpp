@@ -63,7 +63,8 @@ struct Flag {
 // Each flag may also be spelled with hyphens (--max-new-tokens), as composite.run's are.
 const Flag kFlags[] = {
     {"--artifacts", "DIR", "export folder (holds manifest.json); required"},
-    {"--prompt", "TEXT", "prompt text (BOS added per the manifest); one of the three prompt flags is required"},
+    {"--prompt", "TEXT",
+     "prompt text (BOS added per the manifest); one of --prompt, --prompt_file, --prompt_ids, --chat is required"},
     {"--prompt_file", "FILE", "prompt text from a file"},
     {"--prompt_ids", "1,2,3", "prompt token ids, used as given"},
     {"--chat", nullptr, "chat in the model's template: user turns from stdin, one per line, until EOF"},
@@ -82,9 +83,10 @@ const Flag kFlags[] = {
 };
 
 void print_help() {
-  std::cout << "usage: composite_runner --artifacts DIR (--prompt TEXT | --prompt_file FILE | --prompt_ids 1,2,3) "
-               "[options]\n\nGenerates text with an export's shards chained token by token; text streams to stdout,\n"
-               "a one-line summary goes to stderr.\n\n";
+  std::cout
+      << "usage: composite_runner --artifacts DIR (--prompt TEXT | --prompt_file FILE | --prompt_ids 1,2,3 | "
+         "--chat) [options]\n\nGenerates text with an export's shards chained token by token; text streams to stdout,\n"
+         "a one-line summary goes to stderr.\n\n";
   for (const Flag& flag : kFlags) {
     const std::string left = std::string(flag.name) + (flag.value ? std::string(" ") + flag.value : "");
     std::cout << "  " << left << std::string(left.size() < 24 ? 24 - left.size() : 1, ' ') << flag.help << "\n";
