@@ -61,8 +61,10 @@ def _run(pte: str, tokenizer: str, prompt_file: str, new_tokens: int, seq_len: i
     # One BOS, as composite_runner gets it in its prompt ids: both see the same tokens.
     config = GenerationConfig(max_new_tokens=new_tokens, seq_len=seq_len, temperature=0.0, echo=False, num_bos=1)
     runner.generate(Path(prompt_file).read_text(), config, lambda _text: None, on_stats)
-    prefill_s = (report["prompt_eval_end_ms"] - report["inference_start_ms"]) / 1e3
-    decode_s = (report["inference_end_ms"] - report["prompt_eval_end_ms"]) / 1e3
+    # The runner's stats are whole milliseconds; a tiny model's prompt can take less than one, so
+    # a zero is counted as one (the speed printed is then a lower bound).
+    prefill_s = max(report["prompt_eval_end_ms"] - report["inference_start_ms"], 1) / 1e3
+    decode_s = max(report["inference_end_ms"] - report["prompt_eval_end_ms"], 1) / 1e3
     generated = report["num_generated_tokens"]
     return {
         "runner": "executorch TextLLMRunner",
