@@ -10,7 +10,8 @@ YAML keys (all optional):
                                   {default: xnnpack, 2: qnn}; list items may be mappings with
                                   per-shard options, e.g. {backend: xnnpack, quantize: 8da4w}
   xnnpack: {quantize, group_size} defaults for XNNPACK shards (quantize: none | 8da4w)
-  qnn: {soc, precision, ...}      defaults for QNN shards
+  qnn: {soc, precision, ...}      defaults for QNN shards (weight_sharing: true by default; the
+                                  x86 simulator needs false, as --no-weight-sharing sets)
   embedding_quantize              "none" (default), "8,0" (8-bit, a scale per row) or "4,32"
                                   (4-bit, a scale per 32 columns): BITS,GROUP as ExecuTorch's
                                   export_llama --embedding-quantize spells it
@@ -49,12 +50,15 @@ TOP_LEVEL_KEYS = (
 BACKEND_OPTION_KEYS = {
     "xnnpack": ("quantize", "group_size"),
     "portable": (),
-    "qnn": ("soc", "precision", "overrides", "calibration", "skip_ops", "skip_node_ids"),
+    "qnn": ("soc", "precision", "weight_sharing", "overrides", "calibration", "skip_ops", "skip_node_ids"),
 }
 DEFAULT_OPTIONS = {
     "xnnpack": {"quantize": "none", "group_size": 32},
     "portable": {},
-    "qnn": {"soc": "SM8650", "precision": "fp16"},
+    # weight_sharing: decode and prefill share one copy of the weights in the shard's QNN context.
+    # The phone loads such a context; the x86 HTP simulator cannot, so exports to run on this host
+    # turn it off (`--no-weight-sharing`), which leaves everything else identical.
+    "qnn": {"soc": "SM8650", "precision": "fp16", "weight_sharing": True},
 }
 
 
@@ -177,6 +181,8 @@ def _check_backend_options(backend: str, options: dict, where: str) -> None:
             raise UserError(
                 f"{where}: qnn precision must be one of {', '.join(QNN_PRECISIONS)}, got {options['precision']!r}"
             )
+        if not isinstance(options["weight_sharing"], bool):
+            raise UserError(f"{where}: qnn weight_sharing must be true or false, got {options['weight_sharing']!r}")
         _check_qnn_details(options, where)
 
 
@@ -312,5 +318,7 @@ def config_from_flags(args) -> ExportConfig:
         config.xnnpack["quantize"] = args.quantize
     if args.group_size is not None:
         config.xnnpack["group_size"] = args.group_size
+    if args.no_weight_sharing:
+        config.qnn["weight_sharing"] = False
     config.placements()
     return config

@@ -61,6 +61,11 @@ def parse_args(argv):
         "--embedding-quantize",
         help="quantize the embedding table: BITS,GROUP, e.g. 8,0 (8-bit, a scale per row) or 4,32 (default none)",
     )
+    p.add_argument(
+        "--no-weight-sharing",
+        action="store_true",
+        help="QNN shards keep a copy of their weights per method: the host twin, which the x86 HTP simulator loads",
+    )
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)

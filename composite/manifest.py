@@ -43,6 +43,9 @@ tools (the runners ignore it). Every key is written by every export unless marke
      "io": {method: {"inputs": [{"name","shape","dtype"}], "outputs": [...]}},    [R]
      "export_seconds": float, "notes": [str],   # e.g. linears left unquantized
      "spill_fill_bytes": int,    # optional, QNN shards: this shard's own need
+     "weight_sharing": bool,     # optional, QNN shards: decode and prefill share    [R]
+                                 # one copy of the weights; the x86 simulator cannot
+                                 # load such a shard, so runners there refuse it
      "sqnr_db": {method: {output name: float | null}}   # optional, QNN shards: against the
                                  # float shard on held-out input; null = exact (no error)
   }],
@@ -143,7 +146,7 @@ def _standard_json(value):
 def shard_entry(path: Path, spec, placement, lowered, io: dict, seconds: float) -> dict:
     """The manifest's record of one written shard file. spec: split.plan.ShardSpec; placement:
     config.Placement; lowered: lowering.program.LoweredShard; io: method -> inputs/outputs."""
-    return {
+    entry = {
         "index": spec.index,
         "file": path.name,
         "sha256": sha256_file(path),
@@ -159,6 +162,9 @@ def shard_entry(path: Path, spec, placement, lowered, io: dict, seconds: float) 
         "export_seconds": round(seconds, 2),
         "notes": lowered.notes,
     }
+    if placement.backend == "qnn":
+        entry["weight_sharing"] = placement.options["weight_sharing"]
+    return entry
 
 
 def document(
@@ -385,6 +391,8 @@ def parse(text: str, folder: str) -> dict:
                 raise UserError(f"{sw} 'backends' must be a list of names")
             for backend in shard["backends"]:
                 _text(backend, f"{sw} 'backends'")
+        if "weight_sharing" in shard:
+            _boolean(shard["weight_sharing"], f"{sw} 'weight_sharing'")
         io = _require(shard, "io", sw)
         for name in sorted(widths):
             method = _require(io, name, f"{sw} io")
@@ -396,6 +404,25 @@ def parse(text: str, folder: str) -> dict:
         _require_text(j["qnn"], "build_id", f"{where} qnn")
         _integer(_require(j["qnn"], "spill_fill_bytes", f"{where} qnn"), f"{where} qnn spill_fill_bytes", 64)
     return j
+
+
+def weight_shared_shards(manifest: dict) -> list[int]:
+    return [shard["index"] for shard in manifest["shards"] if shard.get("weight_sharing")]
+
+
+def weight_sharing_refusal(indices: list[int]) -> str:
+    """Why a runner on this host cannot load weight-shared QNN shards (composite_runner on x86
+    says the same)."""
+    one = len(indices) == 1
+    which = (
+        f"shard {indices[0]} of this export shares"
+        if one
+        else f"shards {', '.join(map(str, indices))} of this export share"
+    )
+    return (
+        f"{which} QNN weights between decode and prefill, which only a device loads "
+        "(the x86 HTP simulator cannot); re-export with --no-weight-sharing to run it on this host"
+    )
 
 
 def check_files(folder: Path, manifest: dict, verify_sha256: bool = False) -> None:

@@ -371,6 +371,7 @@ int run(int argc, char** argv) {
   std::optional<RoutineStderrFilter> quiet_qnn;
   if (has_qnn && !o.verbose) quiet_qnn.emplace();
   check_files(manifest, o.verify);
+  check_loadable_here(manifest);
   std::unique_ptr<Tokenizer> tokenizer;
   if (!manifest.tokenizer_file.empty())
     tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);

@@ -221,6 +221,8 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
         if (!backends.is_array()) throw RunnerError(sw + " 'backends' must be a list of names");
         for (const json& b : backends) info.backends.push_back(as_text(b, sw + " 'backends'"));
       }
+      if (s.contains("weight_sharing"))
+        info.weight_sharing = as_boolean(s.at("weight_sharing"), sw + " 'weight_sharing'");
       const json& io = require(s, "io", sw);
       for (const auto& [name, width] : m.methods) {
         const json& method = require(io, name.c_str(), sw + " io");

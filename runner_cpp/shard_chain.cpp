@@ -52,11 +52,34 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+void check_loadable_here(const Manifest& manifest) {
+#if defined(__x86_64__)  // on x86 the QNN backend is the HTP simulator, which cannot load a weight-shared context
+  std::vector<int> shared;
+  for (const ShardInfo& shard : manifest.shards) {
+    if (shard.weight_sharing) shared.push_back(shard.index);
+  }
+  if (!shared.empty()) {
+    std::string which = shared.size() == 1 ? "shard " + std::to_string(shared[0]) + " of this export shares"
+                                           : "shards " + std::to_string(shared[0]);
+    if (shared.size() > 1) {
+      for (size_t i = 1; i < shared.size(); ++i) which += ", " + std::to_string(shared[i]);
+      which += " of this export share";
+    }
+    throw RunnerError(which +
+                      " QNN weights between decode and prefill, which only a device loads (the x86 HTP simulator "
+                      "cannot); re-export with --no-weight-sharing to run it on this host");
+  }
+#else
+  (void)manifest;
+#endif
+}
+
 ShardChain::ShardChain(Manifest manifest)
     : manifest_(std::move(manifest)),
       cache_(manifest_.n_layers, manifest_.n_kv_heads, manifest_.head_dim, manifest_.max_seq_len),
       shard_seconds_(manifest_.shards.size(), 0.0) {
   const Manifest& m = manifest_;
+  check_loadable_here(m);
   for (int layer = 0; layer < m.n_layers; ++layer) {
     k_tensors_.push_back(wrap(cache_.k(layer), m.k_shape, ScalarType::Float));
     v_tensors_.push_back(wrap(cache_.v(layer), m.v_shape, ScalarType::Float));

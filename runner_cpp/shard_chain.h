@@ -16,6 +16,10 @@
 
 namespace composite {
 
+// Throws RunnerError when this build cannot run the export's shards, before any is loaded: on x86,
+// QNN shards whose decode and prefill share weights (the simulator cannot load them).
+void check_loadable_here(const Manifest& manifest);
+
 class ShardChain : public TokenChain {
  public:
   // Keeps its own copy of the manifest: the chain must not outlive what it describes.

@@ -10,7 +10,8 @@ python3 -m composite.qnn_host install   # onnxruntime-qnn's QNN host libraries, 
 bash scripts/build_runner.sh build
 
 # The CLIs keep the QNN libraries' routine log lines off the terminal themselves (--verbose shows them).
-python3 -m composite.export --config configs/default.yaml
+# --no-weight-sharing: the host twin; the x86 HTP simulator cannot load weight-shared QNN shards.
+python3 -m composite.export --config configs/default.yaml --no-weight-sharing
 echo "--- composite_runner (C++)"
 eval "$(python3 -m composite.qnn_host env)"
 ./build/composite_runner --artifacts artifacts --prompt "Once upon a time" --max_new_tokens 32 \

@@ -47,7 +47,14 @@ LLAMA3_PARAMS = {
 
 
 def export(output: Path, **overrides) -> Path:
-    values = {"max_seq_len": MAX_SEQ_LEN, "prefill_len": PREFILL_LEN, "output": str(output), **overrides}
+    """An export for this host: QNN shards without weight sharing (the x86 simulator cannot load it)."""
+    values = {
+        "max_seq_len": MAX_SEQ_LEN,
+        "prefill_len": PREFILL_LEN,
+        "output": str(output),
+        "qnn": {"weight_sharing": False},
+        **overrides,
+    }
     return run_export(build_config(None, values))
 
 

@@ -22,6 +22,7 @@ from conftest import (
     PREFILL_LEN,
     REPO,
     RUNNER,
+    assert_clean_failure,
     export,
     one_error_line,
     run_cli,
@@ -51,7 +52,7 @@ def quantized_exports(qnn_ready, workdir):
                     "placement": ["xnnpack", "qnn", "xnnpack"],
                     "max_seq_len": MAX_SEQ_LEN,
                     "prefill_len": PREFILL_LEN,
-                    "qnn": {"precision": precision, "calibration": CALIBRATION},
+                    "qnn": {"precision": precision, "calibration": CALIBRATION, "weight_sharing": False},
                 }
             )
         )
@@ -211,6 +212,49 @@ def test_spill_fill_is_shared_and_is_the_largest_need(qnn_ready, workdir):
     assert manifest["qnn"]["spill_fill_bytes"] == max(needs) > 0
 
 
+def test_weight_sharing_shrinks_a_qnn_shard_and_the_host_runs_its_twin(qnn_ready, tmp_path):
+    # One decoder layer on QNN at configs/default.yaml's cache and prefill sizes, where a QNN shard
+    # holding a copy of the weights per method was 962,432 bytes.
+    args = ["--config", "configs/default.yaml", "--shards", "3", "--placement", "xnnpack,qnn,xnnpack"]
+    args += ["--layers-per-shard", "4,1,1"]
+    shared, twin = tmp_path / "shared", tmp_path / "twin"
+    run_cli("composite.export", *args, "--output", str(shared), check=True)
+    run_cli("composite.export", *args, "--no-weight-sharing", "--output", str(twin), check=True)
+    shared_shard, twin_shard = (manifest_schema.read(f)["shards"][1] for f in (shared, twin))
+    assert (shared_shard["weight_sharing"], twin_shard["weight_sharing"]) == (True, False)
+    for shard in (shared_shard, twin_shard):  # read from the program: one QNN graph per method
+        assert shard["delegates"] == {"decode": {"QnnBackend": 1}, "prefill": {"QnnBackend": 1}}
+    assert shared_shard["size"] <= 0.6 * 962_432 and shared_shard["size"] <= 0.6 * twin_shard["size"]
+    # Its SQNR is measured on the twin: the same graphs, so the same figures as the twin export's.
+    assert shared_shard["sqnr_db"] == twin_shard["sqnr_db"]
+
+    prompt = ["--prompt", "Once upon a time", "--max_new_tokens", "4"]
+    for result in (
+        subprocess.run([str(RUNNER), "--artifacts", str(shared), *prompt], capture_output=True, text=True),
+        run_cli("composite.run", "--artifacts", str(shared), *prompt),
+    ):
+        line = one_error_line(result)
+        assert "shard 1 of this export shares QNN weights" in line and "--no-weight-sharing" in line
+
+    reference = greedy_tokens("--artifacts", str(twin), "--reference")
+    assert greedy_tokens("--artifacts", str(twin)) == reference
+    stats = tmp_path / "stats.json"
+    cpp = subprocess.run(
+        [str(RUNNER), "--artifacts", str(twin), *prompt[:2], "--max_new_tokens", "32", "--stats_json", str(stats)],
+        capture_output=True,
+        text=True,
+    )
+    assert cpp.returncode == 0, cpp.stderr
+    assert json.loads(stats.read_text())["tokens"] == reference
+
+
+def test_weight_sharing_must_be_a_boolean(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("shards: 3\nplacement: [xnnpack, qnn, xnnpack]\nqnn: {weight_sharing: yes please}\n")
+    result = export_error("--config", str(config), "--output", str(tmp_path / "out"))
+    assert_clean_failure(result, "weight_sharing must be true or false", output=tmp_path / "out")
+
+
 def export_error(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", "composite.export", *args], capture_output=True, text=True, cwd=REPO, env=env
@@ -284,7 +328,7 @@ OUR_STDERR_PREFIXES = ("lowering shards", "calibrating", "note: ", "warning: ")
 @pytest.mark.parametrize("precision", ["fp16", "16a4w"])
 def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, tmp_path, precision):
     config = tmp_path / "quiet.yaml"
-    config.write_text(f"qnn: {{precision: {precision}, calibration: {{samples: 2}}}}\n")
+    config.write_text(f"qnn: {{precision: {precision}, calibration: {{samples: 2}}, weight_sharing: false}}\n")
     out = tmp_path / "out"
     result = run_cli(
         "composite.export",

@@ -21,7 +21,7 @@ from composite import qnn_host
 from composite.errors import UserError
 from composite.lowering.calibration import calibrate, sqnr_db
 from composite.lowering.htp_graph import htp_form
-from composite.lowering.program import LoweredShard, finish
+from composite.lowering.program import finish
 
 QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
 
@@ -33,7 +33,11 @@ def compile_spec(options: dict):
         generate_qnn_executorch_compiler_spec,
     )
 
-    backend = generate_htp_compiler_spec(use_fp16=options["precision"] == "fp16", use_multi_contexts=True)
+    backend = generate_htp_compiler_spec(
+        use_fp16=options["precision"] == "fp16",
+        use_multi_contexts=True,
+        use_weight_sharing=options.get("weight_sharing", True),
+    )
     return generate_qnn_executorch_compiler_spec(
         soc_model=getattr(QcomChipset, options["soc"]), backend_options=backend
     )
@@ -111,17 +115,13 @@ class QnnShardLowering:
         self.calibrated[method] += 1
 
     def lower(self):
-        """-> (EdgeProgramManager, notes). XNNPACK takes what QNN is told to skip."""
-        from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
-        from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
-        from executorch.backends.qualcomm.utils.utils import qnn_edge_config
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        from executorch.exir import to_edge_transform_and_lower
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
-
+        """-> (EdgeProgramManager, notes, the host twin's .pte bytes or None). XNNPACK takes what QNN
+        is told to skip. A weight-shared shard cannot run on the x86 simulator, so its twin without
+        weight sharing (same graphs, same quantization) is compiled too, to measure it here."""
         graphs = self.graphs
         if self.quantized:
+            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
             missing = [method for method, count in self.calibrated.items() if count == 0]
             if missing:
                 raise UserError(
@@ -129,7 +129,29 @@ class QnnShardLowering:
                     f"{self.options['precision']} QNN shard"
                 )
             graphs = {method: convert_pt2e(graph) for method, graph in graphs.items()}
-        spec = compile_spec(self.options)
+        edge = self._to_edge(graphs, compile_spec(self.options))
+        twin = None
+        if self.options["weight_sharing"]:
+            twin = finish(self._to_edge(graphs, compile_spec({**self.options, "weight_sharing": False})), []).buffer
+        notes = []
+        if self.quantized:
+            notes.append("calibrated with " + ", ".join(f"{n} {m} inputs" for m, n in self.calibrated.items()))
+        if self.skip_ops or self.skip_ids:
+            notes.append(
+                f"left to XNNPACK: ops {sorted(self.skip_ops) or '-'}, node ids {sorted(self.skip_ids) or '-'}"
+            )
+        if twin is not None:
+            notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
+        return edge, notes, twin
+
+    def _to_edge(self, graphs: dict, spec):
+        from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+        from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+        from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+
         programs, passes, partitioners = {}, {}, {}
         for method, graph in graphs.items():
             with torch.no_grad():
@@ -144,18 +166,12 @@ class QnnShardLowering:
             ]
             if self.skip_ops or self.skip_ids:
                 partitioners[method].append(XnnpackPartitioner())
+        # One context holds every method's graph (ExecuTorch's multi-method preprocess); with weight
+        # sharing in the spec, they hold one copy of the weights between them.
         with QnnManagerContext({method: spec for method in graphs}):
-            edge = to_edge_transform_and_lower(
+            return to_edge_transform_and_lower(
                 programs, transform_passes=passes, partitioner=partitioners, compile_config=qnn_edge_config()
             )
-        notes = []
-        if self.quantized:
-            notes.append("calibrated with " + ", ".join(f"{n} {m} inputs" for m, n in self.calibrated.items()))
-        if self.skip_ops or self.skip_ids:
-            notes.append(
-                f"left to XNNPACK: ops {sorted(self.skip_ops) or '-'}, node ids {sorted(self.skip_ids) or '-'}"
-            )
-        return edge, notes
 
 
 def skipped_op_set(options: dict) -> set:
@@ -204,7 +220,7 @@ class QnnShards:
         tokenizer,
     ):
         self.modules, self.jobs = modules, jobs
-        self.lowered: dict[int, tuple] = {}  # shard index -> (edge program, notes), until finish()
+        self.lowered: dict[int, tuple] = {}  # shard index -> (edge program, notes, twin), until finish()
         started = time.perf_counter()
         self.held_out = self._calibrate(model, methods, max_seq_len, tokenizer)
         quantized = any(job.quantized for job in jobs.values())
@@ -236,8 +252,10 @@ class QnnShards:
         host = qnn_host.prepare()
         results = {}
         for index, own_bytes in zip(indices, own):
-            shard = finish(*self.lowered.pop(index))
-            results[index] = (shard, own_bytes, self.measure(shard, index, output_names[index]))
+            edge, notes, twin = self.lowered.pop(index)
+            shard = finish(edge, notes)
+            measured = self.measure(twin or shard.buffer, index, output_names[index])
+            results[index] = (shard, own_bytes, measured)
         summary = {
             "build_id": host.build_id,
             "libraries": host.source,
@@ -246,9 +264,9 @@ class QnnShards:
         }
         return results, summary
 
-    def measure(self, shard: LoweredShard, index: int, names: dict[str, list[str]]) -> dict[str, dict[str, float]]:
-        """method -> output name -> SQNR (dB) of the lowered shard against the float shard."""
-        program = Runtime.get().load_program(shard.buffer)
+    def measure(self, buffer: bytes, index: int, names: dict[str, list[str]]) -> dict[str, dict[str, float]]:
+        """method -> output name -> SQNR (dB) of the lowered shard (its .pte bytes) against the float shard."""
+        program = Runtime.get().load_program(buffer)
         result = {}
         for method in names:  # decode, then prefill, as the manifest lists methods
             inputs = self.held_out[index][method]

@@ -93,6 +93,9 @@ class ShardChain(Chain):
         self.folder = Path(folder)
         self.manifest = manifest_schema.read(self.folder)
         manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
+        shared = manifest_schema.weight_shared_shards(self.manifest)
+        if shared:
+            raise UserError(manifest_schema.weight_sharing_refusal(shared))
         if any(shard["placement"]["backend"] == "qnn" for shard in self.manifest["shards"]):
             qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
         cpu_ops = {op for shard in self.manifest["shards"] for ops in shard.get("cpu_ops", {}).values() for op in ops}
