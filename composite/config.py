@@ -50,7 +50,16 @@ TOP_LEVEL_KEYS = (
 BACKEND_OPTION_KEYS = {
     "xnnpack": ("quantize", "group_size"),
     "portable": (),
-    "qnn": ("soc", "precision", "weight_sharing", "overrides", "calibration", "skip_ops", "skip_node_ids"),
+    "qnn": (
+        "soc",
+        "precision",
+        "weight_sharing",
+        "quantized_io",
+        "overrides",
+        "calibration",
+        "skip_ops",
+        "skip_node_ids",
+    ),
 }
 DEFAULT_OPTIONS = {
     "xnnpack": {"quantize": "none", "group_size": 32},
@@ -58,7 +67,9 @@ DEFAULT_OPTIONS = {
     # weight_sharing: decode and prefill share one copy of the weights in the shard's QNN context.
     # The phone loads such a context; the x86 HTP simulator cannot, so exports to run on this host
     # turn it off (`--no-weight-sharing`), which leaves everything else identical.
-    "qnn": {"soc": "SM8650", "precision": "fp16", "weight_sharing": True},
+    # quantized_io: a quantized shard takes and gives its hidden state and KV cache as uint16 / uint8
+    # (the shard's activation width) rather than float32; false keeps float32 I/O.
+    "qnn": {"soc": "SM8650", "precision": "fp16", "weight_sharing": True, "quantized_io": True},
 }
 
 
@@ -181,8 +192,9 @@ def _check_backend_options(backend: str, options: dict, where: str) -> None:
             raise UserError(
                 f"{where}: qnn precision must be one of {', '.join(QNN_PRECISIONS)}, got {options['precision']!r}"
             )
-        if not isinstance(options["weight_sharing"], bool):
-            raise UserError(f"{where}: qnn weight_sharing must be true or false, got {options['weight_sharing']!r}")
+        for key in ("weight_sharing", "quantized_io"):
+            if not isinstance(options[key], bool):
+                raise UserError(f"{where}: qnn {key} must be true or false, got {options[key]!r}")
         _check_qnn_details(options, where)
 
 

@@ -83,6 +83,7 @@ def lower_all(
     model = loaded.model
     methods = {DECODE: 1, PREFILL: config.prefill_len}
     io = [{m: shard_io(model.args, spec, n, config.max_seq_len) for m, n in methods.items()} for spec in specs]
+    names = [{m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in shard.items()} for shard in io]
     examples = [{m: tuple(t.example() for t in inputs) for m, (inputs, _) in shard.items()} for shard in io]
     modules = [ShardModule(model, spec).eval() for spec in specs]
     embedding_notes = []
@@ -95,7 +96,9 @@ def lower_all(
 
         positions = config.max_seq_len + config.prefill_len
         jobs = {
-            spec.index: QnnShardLowering(modules[spec.index], examples[spec.index], placement.options, positions)
+            spec.index: QnnShardLowering(
+                modules[spec.index], examples[spec.index], names[spec.index], placement.options, positions
+            )
             for spec, placement in zip(specs, placements)
             if placement.backend == "qnn"
         }
@@ -114,24 +117,35 @@ def lower_all(
         seconds[spec.index] = time.perf_counter() - started
     if qnn is None:
         return [entries[i] for i in sorted(entries)], None
-    names = {i: {m: [t.name for t in outputs] for m, (_, outputs) in io[i].items()} for i in qnn.lowered}
-    results, summary = qnn.finish(names)
-    for index, (lowered, own_spill_fill, sqnr) in results.items():
-        entry = write_shard(folder, specs[index], placements[index], lowered, io[index], seconds[index])
+    results, summary = qnn.finish({i: names[i] for i in qnn.lowered})
+    for index, (lowered, own_spill_fill, sqnr, io_params) in results.items():
+        entry = write_shard(folder, specs[index], placements[index], lowered, io[index], seconds[index], io_params)
         entries[index] = {**entry, "spill_fill_bytes": own_spill_fill, "sqnr_db": sqnr}
     return [entries[i] for i in sorted(entries)], summary
 
 
 def write_shard(
-    folder: Path, spec: ShardSpec, placement: Placement, lowered: LoweredShard, io: dict, seconds: float
+    folder: Path,
+    spec: ShardSpec,
+    placement: Placement,
+    lowered: LoweredShard,
+    io: dict,
+    seconds: float,
+    io_params: dict | None = None,
 ) -> dict:
-    """Write one shard's .pte and describe it; the program's own metadata must match the description."""
+    """Write one shard's .pte and describe it; the program's own metadata must match the description.
+    io_params: method -> ("in" | "out", name) -> QuantParams of its quantized I/O tensors."""
     path = folder / f"shard_{spec.index:02d}.pte"
     path.write_bytes(lowered.buffer)
-    described = {
-        m: {"inputs": manifest_schema.tensor_entries(i), "outputs": manifest_schema.tensor_entries(o)}
-        for m, (i, o) in io.items()
-    }
+    described = {}
+    for m, (i, o) in io.items():
+        quantized = {
+            key: (manifest_schema.dtype_name(p.dtype), p.entry()) for key, p in (io_params or {}).get(m, {}).items()
+        }
+        described[m] = {
+            "inputs": manifest_schema.tensor_entries(i, {n: q for (side, n), q in quantized.items() if side == "in"}),
+            "outputs": manifest_schema.tensor_entries(o, {n: q for (side, n), q in quantized.items() if side == "out"}),
+        }
     entry = manifest_schema.shard_entry(path, spec, placement, lowered, described, seconds)
     manifest_schema.check_against_program(Runtime.get().load_program(path), entry)
     return entry

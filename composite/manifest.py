@@ -16,7 +16,8 @@ tools (the runners ignore it). Every key is written by every export unless marke
   "max_seq_len": int,            # cache slots; positions 0 .. max_seq_len-1          [R]
   "methods": {"decode": 1, "prefill": int},   # method name -> tokens per call       [R]
   "kv_cache": {                                                                     [R: dtype, shapes]
-     "dtype": "float32",
+     "dtype": "float32",         # of the float layers; a quantized QNN shard's layers keep their
+                                 # cache in the dtype and quantization of its k_cache/v_cache inputs
      "k_shape": [n_kv_heads, head_dim, max_seq_len],   # sequence last
      "v_shape": [n_kv_heads, max_seq_len, head_dim],
      "k_new_shape": "[n_kv_heads, head_dim, T]", "v_new_shape": "[n_kv_heads, T, head_dim]"
@@ -41,6 +42,11 @@ tools (the runners ignore it). Every key is written by every export unless marke
      "delegates": {method: {backend id: count}},
      "cpu_ops": {method: [operator names]},     # run by ExecuTorch's CPU kernels
      "io": {method: {"inputs": [{"name","shape","dtype"}], "outputs": [...]}},    [R]
+                                 # dtype float32|float16|int64|int32|uint8|uint16; a uint8/uint16
+                                 # tensor also has "quant": {"scale": float > 0, "zero_point": int}
+                                 # (real = (q - zero_point) * scale); hidden and cache tensors are
+                                 # float32, uint8 or uint16, logits float32; a layer's cache inputs
+                                 # and new-entry outputs share one dtype and quant in every method
      "export_seconds": float, "notes": [str],   # e.g. linears left unquantized
      "spill_fill_bytes": int,    # optional, QNN shards: this shard's own need
      "weight_sharing": bool,     # optional, QNN shards: decode and prefill share    [R]
@@ -89,6 +95,8 @@ DTYPES = {
     "uint8": ("torch.uint8", 0),
     "uint16": ("torch.uint16", 27),
 }
+QUANTIZED_DTYPES = {"uint8": 255, "uint16": 65535}  # dtype -> largest value
+CACHE_PREFIXES = ("k_cache.", "v_cache.", "k_new.", "v_new.")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "uint16": 2}
 DTYPE_NAMES = {torch_name: name for name, (torch_name, _) in DTYPES.items()}
 SCALAR_TYPE_NAMES = {code: name for name, (_, code) in DTYPES.items()}
@@ -106,9 +114,10 @@ def memory_figures(manifest: dict) -> dict:
     """Bytes the runners hold and move, from the manifest alone (composite_runner's memory_figures
     computes the same): the KV cache in all and per shard, and what each shard takes in and gives
     out per decode step (the cache it reads included)."""
-    kv = manifest["kv_cache"]
-    per_layer = (math.prod(kv["k_shape"]) + math.prod(kv["v_shape"])) * DTYPE_BYTES[kv["dtype"]]
-    per_shard = [(end - first) * per_layer for first, end in (s["layers"] for s in manifest["shards"])]
+    per_shard = [
+        sum(tensor_bytes(t) for t in s["io"][DECODE]["inputs"] if t["name"].startswith(("k_cache.", "v_cache.")))
+        for s in manifest["shards"]
+    ]
     io = [
         {
             "in": sum(tensor_bytes(t) for t in s["io"][DECODE]["inputs"]),
@@ -119,8 +128,15 @@ def memory_figures(manifest: dict) -> dict:
     return {"kv_cache_bytes": sum(per_shard), "kv_cache_bytes_per_shard": per_shard, "decode_io_bytes_per_shard": io}
 
 
-def tensor_entries(specs) -> list[dict]:
-    return [{"name": s.name, "shape": list(s.shape), "dtype": dtype_name(s.dtype)} for s in specs]
+def tensor_entries(specs, quantized: dict | None = None) -> list[dict]:
+    """quantized: name -> (dtype name, {scale, zero_point}) of the tensors given as integers."""
+    entries = []
+    for s in specs:
+        entry = {"name": s.name, "shape": list(s.shape), "dtype": dtype_name(s.dtype)}
+        if quantized and s.name in quantized:
+            entry["dtype"], entry["quant"] = quantized[s.name]
+        entries.append(entry)
+    return entries
 
 
 def sha256_file(path: Path) -> str:
@@ -306,9 +322,67 @@ def _check_tensors(value, where: str) -> None:
     for tensor in value:
         name = _require_text(tensor, "name", where)
         shape = _integers(_require(tensor, "shape", where), f"{where} shape")
-        _require_text(tensor, "dtype", where)
+        dtype = _require_text(tensor, "dtype", where)
+        if dtype not in DTYPES:
+            raise UserError(f"{where}: tensor {name} has dtype {_dump(dtype)}, not one of {', '.join(DTYPES)}")
         if any(d <= 0 for d in shape):
             raise UserError(f"{where}: tensor {name} has a non-positive dimension")
+        _check_quant(tensor, dtype, f"{where}: tensor {name}")
+
+
+def _check_quant(tensor: dict, dtype: str, what: str) -> None:
+    """A uint8 / uint16 tensor carries its scale and zero point; no other tensor does."""
+    if dtype not in QUANTIZED_DTYPES:
+        if "quant" in tensor:
+            raise UserError(f"{what} has 'quant' but is {dtype}; only uint8 and uint16 tensors are quantized")
+        return
+    if "quant" not in tensor:
+        raise UserError(f"{what} is {dtype} and needs 'quant' with its scale and zero_point")
+    quant = tensor["quant"]
+    scale = _require(quant, "scale", f"{what} quant")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= FLOAT32_MAX:
+        raise UserError(f"{what} quant 'scale' must be a positive number, got {_dump(scale)}")
+    zero_point = _require(quant, "zero_point", f"{what} quant")
+    top = QUANTIZED_DTYPES[dtype]
+    if isinstance(zero_point, bool) or not isinstance(zero_point, int) or not 0 <= zero_point <= top:
+        raise UserError(f"{what} quant 'zero_point' must be an integer from 0 to {top}, got {_dump(zero_point)}")
+
+
+def _check_value_dtypes(io: dict, where: str) -> None:
+    """The runners feed and read hidden states and caches as float32, uint8 or uint16, and sample
+    float32 logits."""
+    for method, sides in io.items():
+        for side in ("inputs", "outputs"):
+            for tensor in sides[side]:
+                name, dtype = tensor["name"], tensor["dtype"]
+                if name == "logits" and dtype != "float32":
+                    raise UserError(f"{where} {method} {side}: tensor logits must be float32, got {dtype}")
+                if (name == "hidden" or name.startswith(CACHE_PREFIXES)) and dtype not in (
+                    "float32",
+                    *QUANTIZED_DTYPES,
+                ):
+                    raise UserError(
+                        f"{where} {method} {side}: tensor {name} must be float32, uint8 or uint16, got {dtype}"
+                    )
+
+
+def _check_cache_encodings(io: dict, first: int, end: int, where: str) -> None:
+    """The runner copies a layer's new entries into its cache as they are: cache inputs and
+    new-entry outputs of every method share one dtype and quantization."""
+    for layer in range(first, end):
+        for kind in ("k", "v"):
+            encodings = set()
+            for method in io.values():
+                for side, name in (("inputs", f"{kind}_cache.{layer}"), ("outputs", f"{kind}_new.{layer}")):
+                    for tensor in method[side]:
+                        if tensor["name"] == name:
+                            quant = tensor.get("quant") or {}
+                            encodings.add((tensor["dtype"], quant.get("scale"), quant.get("zero_point")))
+            if len(encodings) > 1:
+                raise UserError(
+                    f"{where}: {kind}_cache.{layer} and {kind}_new.{layer} must have one dtype and quantization "
+                    "in every method"
+                )
 
 
 def parse(text: str, folder: str) -> dict:
@@ -398,6 +472,8 @@ def parse(text: str, folder: str) -> dict:
             method = _require(io, name, f"{sw} io")
             _check_tensors(_require(method, "inputs", sw), f"{sw} {name} inputs")
             _check_tensors(_require(method, "outputs", sw), f"{sw} {name} outputs")
+        _check_value_dtypes({name: io[name] for name in sorted(widths)}, sw)
+        _check_cache_encodings({name: io[name] for name in sorted(widths)}, layers[0], layers[1], sw)
     if expected_layer != dims["n_layers"]:
         raise UserError(f"{where}: the shards do not cover all layers")
     if j.get("qnn") is not None:

@@ -5,30 +5,45 @@
 
 namespace composite {
 
-KVCache::KVCache(int n_layers, int kv_heads, int head_dim, int max_seq_len)
-    : kv_heads_(kv_heads), head_dim_(head_dim), max_seq_len_(max_seq_len) {
+KVCache::KVCache(int kv_heads, int head_dim, int max_seq_len, std::vector<std::pair<Encoding, Encoding>> encodings)
+    : kv_heads_(kv_heads), head_dim_(head_dim), max_seq_len_(max_seq_len), encodings_(std::move(encodings)) {
   const size_t per_layer = static_cast<size_t>(kv_heads) * head_dim * max_seq_len;
-  k_.assign(n_layers, std::vector<float>(per_layer, 0.f));
-  v_.assign(n_layers, std::vector<float>(per_layer, 0.f));
+  for (const auto& [k, v] : encodings_) {
+    k_.emplace_back((per_layer * k.element_size() + 3) / 4);
+    v_.emplace_back((per_layer * v.element_size() + 3) / 4);
+  }
+  clear();
 }
 
-void KVCache::write(int layer, const float* k_new, const float* v_new, int width, int pos, int count) {
-  float* k = k_[layer].data();
-  float* v = v_[layer].data();
-  const size_t S = max_seq_len_;
-  const size_t rows = static_cast<size_t>(kv_heads_) * head_dim_;
+namespace {
+
+// k [kv, hd, S] <- k_new [kv, hd, width]; v [kv, S, hd] <- v_new [kv, width, hd]; `bytes` per element.
+void copy_entries(char* k, const char* k_new, char* v, const char* v_new, size_t k_bytes, size_t v_bytes, int kv_heads,
+                  int head_dim, size_t S, int width, int pos, int count) {
+  const size_t rows = static_cast<size_t>(kv_heads) * head_dim;
   for (size_t row = 0; row < rows; ++row) {
-    std::memcpy(k + row * S + pos, k_new + row * width, sizeof(float) * count);
+    std::memcpy(k + (row * S + pos) * k_bytes, k_new + row * width * k_bytes, k_bytes * count);
   }
-  for (int h = 0; h < kv_heads_; ++h) {
-    std::memcpy(v + (h * S + pos) * head_dim_, v_new + static_cast<size_t>(h) * width * head_dim_,
-                sizeof(float) * count * head_dim_);
+  for (int h = 0; h < kv_heads; ++h) {
+    std::memcpy(v + (h * S + pos) * head_dim * v_bytes, v_new + static_cast<size_t>(h) * width * head_dim * v_bytes,
+                v_bytes * count * head_dim);
   }
+}
+
+}  // namespace
+
+void KVCache::write(int layer, const void* k_new, const void* v_new, int width, int pos, int count) {
+  copy_entries(static_cast<char*>(k(layer)), static_cast<const char*>(k_new), static_cast<char*>(v(layer)),
+               static_cast<const char*>(v_new), encodings_[layer].first.element_size(),
+               encodings_[layer].second.element_size(), kv_heads_, head_dim_, max_seq_len_, width, pos, count);
 }
 
 void KVCache::clear() {
-  for (auto& t : k_) std::fill(t.begin(), t.end(), 0.f);
-  for (auto& t : v_) std::fill(t.begin(), t.end(), 0.f);
+  const size_t per_layer = static_cast<size_t>(kv_heads_) * head_dim_ * max_seq_len_;
+  for (size_t layer = 0; layer < encodings_.size(); ++layer) {
+    fill_zero(k_[layer].data(), encodings_[layer].first, per_layer);
+    fill_zero(v_[layer].data(), encodings_[layer].second, per_layer);
+  }
 }
 
 AttentionMask::AttentionMask(int width, int max_seq_len, float hidden)

@@ -3,26 +3,33 @@
 // New entries for a call of T tokens: k [kv_heads, head_dim, T], v [kv_heads, T, head_dim].
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
+
+#include "quantized.h"
 
 namespace composite {
 
 class KVCache {
  public:
-  KVCache(int n_layers, int kv_heads, int head_dim, int max_seq_len);
+  // encodings: per layer, the (k, v) encoding its shard takes the cache in (float32, or quantized).
+  KVCache(int kv_heads, int head_dim, int max_seq_len, std::vector<std::pair<Encoding, Encoding>> encodings);
 
-  float* k(int layer) { return k_[layer].data(); }
-  float* v(int layer) { return v_[layer].data(); }
-  const float* k(int layer) const { return k_[layer].data(); }
-  const float* v(int layer) const { return v_[layer].data(); }
+  void* k(int layer) { return k_[layer].data(); }
+  void* v(int layer) { return v_[layer].data(); }
+  const void* k(int layer) const { return k_[layer].data(); }
+  const void* v(int layer) const { return v_[layer].data(); }
+  const std::pair<Encoding, Encoding>& encoding(int layer) const { return encodings_[layer]; }
 
-  // Copies the first `count` of `width` new entries into slots pos .. pos+count-1, in place.
-  void write(int layer, const float* k_new, const float* v_new, int width, int pos, int count);
-  void clear();
+  // Copies the first `count` of `width` new entries, in the layer's own encoding, into slots
+  // pos .. pos+count-1, in place.
+  void write(int layer, const void* k_new, const void* v_new, int width, int pos, int count);
+  void clear();  // every slot back to the encoding of 0.0
 
  private:
   int kv_heads_, head_dim_, max_seq_len_;
-  std::vector<std::vector<float>> k_, v_;
+  std::vector<std::pair<Encoding, Encoding>> encodings_;
+  std::vector<std::vector<float>> k_, v_;  // float storage keeps every encoding's data aligned
 };
 
 // Additive mask [T, S + T]: cache columns visible below the call's first position, the call's

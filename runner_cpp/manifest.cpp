@@ -3,6 +3,7 @@
 #include <openssl/evp.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -36,13 +37,13 @@ int64_t TensorDesc::bytes() const { return numel() * dtype_bytes(dtype); }
 
 MemoryFigures memory_figures(const Manifest& manifest) {
   MemoryFigures figures;
-  int64_t k = 1, v = 1;
-  for (int64_t d : manifest.k_shape) k *= d;
-  for (int64_t d : manifest.v_shape) v *= d;
-  const int64_t per_layer = (k + v) * dtype_bytes("float32");  // the only KV dtype the readers accept
   for (const ShardInfo& shard : manifest.shards) {
-    figures.kv_cache_bytes_per_shard.push_back((shard.layer_end - shard.layer_first) * per_layer);
-    figures.kv_cache_bytes += figures.kv_cache_bytes_per_shard.back();
+    int64_t cache = 0;  // each layer's cache in the dtype its shard takes it in
+    for (const TensorDesc& t : shard.io.at("decode").inputs) {
+      if (t.name.rfind("k_cache.", 0) == 0 || t.name.rfind("v_cache.", 0) == 0) cache += t.bytes();
+    }
+    figures.kv_cache_bytes_per_shard.push_back(cache);
+    figures.kv_cache_bytes += cache;
     int64_t in = 0, out = 0;
     for (const TensorDesc& t : shard.io.at("decode").inputs) in += t.bytes();
     for (const TensorDesc& t : shard.io.at("decode").outputs) out += t.bytes();
@@ -100,6 +101,81 @@ int require_int(const json& object, const char* key, const std::string& where) {
   return integer<int>(require(object, key, where), where + " '" + key + "'");
 }
 
+// A uint8 / uint16 tensor carries its scale and zero point; no other tensor does.
+void parse_quant(const json& tensor, TensorDesc& desc, const std::string& what) {
+  if (!desc.quantized()) {
+    if (tensor.contains("quant")) {
+      throw RunnerError(what + " has 'quant' but is " + desc.dtype + "; only uint8 and uint16 tensors are quantized");
+    }
+    return;
+  }
+  if (!tensor.contains("quant")) {
+    throw RunnerError(what + " is " + desc.dtype + " and needs 'quant' with its scale and zero_point");
+  }
+  const json& quant = tensor.at("quant");
+  const json& scale = require(quant, "scale", what + " quant");
+  if (!scale.is_number() || !(scale.get<double>() > 0) || scale.get<double>() > std::numeric_limits<float>::max()) {
+    throw RunnerError(what + " quant 'scale' must be a positive number, got " + scale.dump());
+  }
+  const json& zero_point = require(quant, "zero_point", what + " quant");
+  const int64_t top = desc.dtype == "uint8" ? 255 : 65535;
+  const bool in_range =
+      zero_point.is_number_integer() &&
+      (zero_point.is_number_unsigned() ? zero_point.get<uint64_t>() <= static_cast<uint64_t>(top)
+                                       : zero_point.get<int64_t>() >= 0 && zero_point.get<int64_t>() <= top);
+  if (!in_range) {
+    throw RunnerError(what + " quant 'zero_point' must be an integer from 0 to " + std::to_string(top) + ", got " +
+                      zero_point.dump());
+  }
+  desc.scale = scale.get<double>();
+  desc.zero_point = zero_point.get<int64_t>();
+}
+
+// The runners feed and read hidden states and caches as float32, uint8 or uint16, and sample
+// float32 logits.
+void check_value_dtypes(const ShardInfo& shard, const std::string& where) {
+  for (const auto& [method, io] : shard.io) {
+    for (const auto* list : {&io.inputs, &io.outputs}) {
+      const std::string side = list == &io.inputs ? "inputs" : "outputs";
+      for (const TensorDesc& t : *list) {
+        if (t.name == "logits" && t.dtype != "float32") {
+          throw RunnerError(where + " " + method + " " + side + ": tensor logits must be float32, got " + t.dtype);
+        }
+        const bool value = t.name == "hidden" || t.name.rfind("k_cache.", 0) == 0 || t.name.rfind("v_cache.", 0) == 0 ||
+                           t.name.rfind("k_new.", 0) == 0 || t.name.rfind("v_new.", 0) == 0;
+        if (value && t.dtype != "float32" && !t.quantized()) {
+          throw RunnerError(where + " " + method + " " + side + ": tensor " + t.name +
+                            " must be float32, uint8 or uint16, got " + t.dtype);
+        }
+      }
+    }
+  }
+}
+
+// The runner copies a layer's new entries into its cache as they are: cache inputs and new-entry
+// outputs of every method share one dtype and quantization.
+void check_cache_encodings(const ShardInfo& shard, const std::string& where) {
+  for (int layer = shard.layer_first; layer < shard.layer_end; ++layer) {
+    for (const char* kind : {"k", "v"}) {
+      const std::string cache = std::string(kind) + "_cache." + std::to_string(layer);
+      const std::string fresh = std::string(kind) + "_new." + std::to_string(layer);
+      const TensorDesc* first = nullptr;
+      for (const auto& [method, io] : shard.io) {
+        for (const auto* list : {&io.inputs, &io.outputs}) {
+          for (const TensorDesc& t : *list) {
+            if (t.name != (list == &io.inputs ? cache : fresh)) continue;
+            if (first && !first->same_encoding(t)) {
+              throw RunnerError(where + ": " + cache + " and " + fresh +
+                                " must have one dtype and quantization in every method");
+            }
+            if (!first) first = &t;
+          }
+        }
+      }
+    }
+  }
+}
+
 std::vector<TensorDesc> parse_tensors(const json& list, const std::string& where) {
   if (!list.is_array()) throw RunnerError(where + " is not a list");
   std::vector<TensorDesc> out;
@@ -108,9 +184,15 @@ std::vector<TensorDesc> parse_tensors(const json& list, const std::string& where
     desc.name = require_text(t, "name", where);
     desc.shape = integers<int64_t>(require(t, "shape", where), where + " shape");
     desc.dtype = require_text(t, "dtype", where);
+    static const char* const known[] = {"float32", "float16", "int64", "int32", "uint8", "uint16"};
+    if (std::find(std::begin(known), std::end(known), desc.dtype) == std::end(known)) {
+      throw RunnerError(where + ": tensor " + desc.name + " has dtype " + json(desc.dtype).dump() +
+                        ", not one of float32, float16, int64, int32, uint8, uint16");
+    }
     for (int64_t d : desc.shape) {
       if (d <= 0) throw RunnerError(where + ": tensor " + desc.name + " has a non-positive dimension");
     }
+    parse_quant(t, desc, where + ": tensor " + desc.name);
     out.push_back(std::move(desc));
   }
   return out;
@@ -229,6 +311,8 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
         info.io[name] = MethodIO{parse_tensors(require(method, "inputs", sw), sw + " " + name + " inputs"),
                                  parse_tensors(require(method, "outputs", sw), sw + " " + name + " outputs")};
       }
+      check_value_dtypes(info, sw);
+      check_cache_encodings(info, sw);
       m.shards.push_back(std::move(info));
     }
     if (expected_layer != m.n_layers) throw RunnerError(where + ": the shards do not cover all layers");

@@ -12,6 +12,13 @@ struct TensorDesc {
   std::string name;
   std::vector<int64_t> shape;
   std::string dtype;  // "float32", "int64", ...
+  // uint8 / uint16 tensors: real value = (q - zero_point) * scale (manifest "quant").
+  double scale = 0;
+  int64_t zero_point = 0;
+  bool quantized() const { return dtype == "uint8" || dtype == "uint16"; }
+  bool same_encoding(const TensorDesc& other) const {
+    return dtype == other.dtype && scale == other.scale && zero_point == other.zero_point;
+  }
   int64_t numel() const;
   int64_t bytes() const;  // numel times the dtype's size
 };

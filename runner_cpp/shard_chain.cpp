@@ -46,6 +46,34 @@ TensorPtr wrap(void* data, const std::vector<int64_t>& shape, ScalarType type) {
   return executorch::extension::from_blob(data, sizes, type);
 }
 
+ScalarType scalar_type(const Encoding& encoding) {
+  switch (encoding.kind) {
+    case Encoding::Kind::UInt8:
+      return ScalarType::Byte;
+    case Encoding::Kind::UInt16:
+      return ScalarType::UInt16;
+    default:
+      return ScalarType::Float;
+  }
+}
+
+// Per layer, the (k, v) encoding of its cache: as the shard holding the layer takes it in.
+std::vector<std::pair<Encoding, Encoding>> cache_encodings(const Manifest& m) {
+  std::vector<std::pair<Encoding, Encoding>> encodings;
+  for (const ShardInfo& shard : m.shards) {
+    const auto& inputs = shard.io.at("decode").inputs;
+    for (int l = shard.layer_first; l < shard.layer_end; ++l) {
+      Encoding k, v;
+      for (const TensorDesc& t : inputs) {
+        if (t.name == "k_cache." + std::to_string(l)) k = Encoding::of(t);
+        if (t.name == "v_cache." + std::to_string(l)) v = Encoding::of(t);
+      }
+      encodings.emplace_back(k, v);
+    }
+  }
+  return encodings;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -76,13 +104,13 @@ void check_loadable_here(const Manifest& manifest) {
 
 ShardChain::ShardChain(Manifest manifest)
     : manifest_(std::move(manifest)),
-      cache_(manifest_.n_layers, manifest_.n_kv_heads, manifest_.head_dim, manifest_.max_seq_len),
+      cache_(manifest_.n_kv_heads, manifest_.head_dim, manifest_.max_seq_len, cache_encodings(manifest_)),
       shard_seconds_(manifest_.shards.size(), 0.0) {
   const Manifest& m = manifest_;
   check_loadable_here(m);
   for (int layer = 0; layer < m.n_layers; ++layer) {
-    k_tensors_.push_back(wrap(cache_.k(layer), m.k_shape, ScalarType::Float));
-    v_tensors_.push_back(wrap(cache_.v(layer), m.v_shape, ScalarType::Float));
+    k_tensors_.push_back(wrap(cache_.k(layer), m.k_shape, scalar_type(cache_.encoding(layer).first)));
+    v_tensors_.push_back(wrap(cache_.v(layer), m.v_shape, scalar_type(cache_.encoding(layer).second)));
   }
   for (const auto& [name, width] : m.methods) {
     MethodBuffers& b = buffers_[name];
@@ -94,6 +122,19 @@ ShardChain::ShardChain(Manifest manifest)
     b.positions_tensor = wrap(b.positions.data(), {width}, ScalarType::Long);
     b.mask_tensor = wrap(b.mask->data(), {width, m.max_seq_len + width}, ScalarType::Float);
     b.logits_index_tensor = wrap(&b.logits_index, {1}, ScalarType::Long);
+    // A hidden state crosses between two encodings only where a quantized shard meets a float one.
+    b.conversions.resize(m.shards.size());
+    for (size_t i = 1; i < m.shards.size(); ++i) {
+      const TensorDesc& produced = m.shards[i - 1].io.at(name).outputs[0];
+      const TensorDesc& wanted = m.shards[i].io.at(name).inputs[0];
+      HiddenConversion& c = b.conversions[i];
+      c.from = Encoding::of(produced);
+      c.to = Encoding::of(wanted);
+      if (c.from == c.to) continue;
+      c.numel = static_cast<size_t>(wanted.numel());
+      c.buffer.assign((c.numel * c.to.element_size() + 3) / 4, 0.f);
+      c.tensor = wrap(c.buffer.data(), wanted.shape, scalar_type(c.to));
+    }
   }
   for (const ShardInfo& shard : m.shards) {
     auto module = std::make_unique<Module>(m.path_of(shard.file), Module::LoadMode::Mmap);
@@ -179,9 +220,19 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
   b.logits_index = count - 1;
   EValue hidden;
   for (const ShardInfo& shard : manifest_.shards) {
+    const auto start = std::chrono::steady_clock::now();  // a hidden-state conversion counts as the shard's
     std::vector<EValue>& in = inputs_[shard.index];
     in.clear();
-    in.emplace_back(shard.has_embedding ? EValue(*b.tokens_tensor) : hidden);
+    const HiddenConversion& conversion = b.conversions[shard.index];
+    if (shard.has_embedding) {
+      in.emplace_back(*b.tokens_tensor);
+    } else if (conversion.tensor) {  // counted in this shard's time
+      convert(hidden.toTensor().const_data_ptr(), conversion.from, conversion.tensor->mutable_data_ptr(), conversion.to,
+              conversion.numel);
+      in.emplace_back(*conversion.tensor);
+    } else {
+      in.emplace_back(hidden);
+    }
     if (shard.has_layers()) {
       in.emplace_back(*b.positions_tensor);
       in.emplace_back(*b.mask_tensor);
@@ -191,7 +242,6 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
       }
     }
     if (shard.has_head && b.width > 1) in.emplace_back(*b.logits_index_tensor);
-    const auto start = std::chrono::steady_clock::now();
     auto outputs = modules_[shard.index]->execute(method, in);
     shard_seconds_[shard.index] += seconds_since(start);
     if (!outputs.ok()) {
@@ -201,13 +251,13 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
     const auto write_start = std::chrono::steady_clock::now();
     for (int l = shard.layer_first; l < shard.layer_end; ++l) {
       const size_t at = 1 + 2 * (l - shard.layer_first);
-      cache_.write(l, (*outputs)[at].toTensor().const_data_ptr<float>(),
-                   (*outputs)[at + 1].toTensor().const_data_ptr<float>(), b.width, pos, count);
+      cache_.write(l, (*outputs)[at].toTensor().const_data_ptr(), (*outputs)[at + 1].toTensor().const_data_ptr(),
+                   b.width, pos, count);
     }
     kv_write_seconds_ += seconds_since(write_start);
     hidden = (*outputs)[0];
   }
-  return hidden.toTensor().const_data_ptr<float>();  // [1, 1, vocab]
+  return hidden.toTensor().const_data_ptr<float>();  // [1, 1, vocab]; float32, as the readers check
 }
 
 void ShardChain::reset_stats() {

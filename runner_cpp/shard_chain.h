@@ -13,6 +13,7 @@
 #include "generate.h"
 #include "kv_cache.h"
 #include "manifest.h"
+#include "quantized.h"
 
 namespace composite {
 
@@ -34,12 +35,19 @@ class ShardChain : public TokenChain {
   void reset_stats() override;
 
  private:
+  struct HiddenConversion {  // into shard i's hidden input, from shard i-1's hidden output
+    Encoding from, to;
+    size_t numel = 0;
+    std::vector<float> buffer;                // float storage keeps every encoding aligned
+    executorch::extension::TensorPtr tensor;  // null when both sides share an encoding
+  };
   struct MethodBuffers {
     int width = 0;
     std::vector<int64_t> tokens, positions;
     int64_t logits_index = 0;  // the row of the last valid token, for the head shard's multi-token methods
     std::unique_ptr<AttentionMask> mask;
     executorch::extension::TensorPtr tokens_tensor, positions_tensor, mask_tensor, logits_index_tensor;
+    std::vector<HiddenConversion> conversions;  // per shard
   };
   void check_method(const ShardInfo& shard, const std::string& method);
 

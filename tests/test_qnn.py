@@ -7,8 +7,10 @@ run or fail, never skip.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -29,13 +31,15 @@ from conftest import (
     write_meta_checkpoint,
 )
 
-# SQNR (dB) of the quantized QNN shard's main output on its held-out input, decode / prefill, as
-# measured when these tests were written (embedded default, 3 shards, shard 1 = layers 2-3,
-# 8 calibration samples per method). Tests allow 3 dB either way.
-MEASURED_SQNR = {
-    "16a4w": {"decode": 34.4, "prefill": 29.7},
-    "8a8w": {"decode": 34.9, "prefill": 31.7},
+# SQNR (dB) of each quantized QNN shard's hidden output on its held-out input, decode / prefill,
+# with float32 I/O (`quantized_io: false`), as measured when these tests were written: embedded
+# default, 6 shards (xnnpack, qnn x 4, xnnpack), 8 calibration samples per method. The tests hold
+# the default quantized I/O within 3 dB of these.
+FLOAT_IO_SQNR = {
+    "16a4w": {1: (38.2, 30.8), 2: (36.6, 32.9), 3: (39.0, 32.8), 4: (36.0, 33.0)},
+    "8a8w": {1: (37.0, 32.0), 2: (36.4, 34.0), 3: (36.0, 35.0), 4: (36.4, 34.9)},
 }
+IO_DTYPE = {"16a4w": "uint16", "8a8w": "uint8"}
 CALIBRATION = {"samples": 8}
 
 
@@ -43,13 +47,13 @@ CALIBRATION = {"samples": 8}
 def quantized_exports(qnn_ready, workdir):
     """precision -> (export folder, export CLI stdout)."""
     results = {}
-    for precision in MEASURED_SQNR:
+    for precision in FLOAT_IO_SQNR:
         config = workdir / f"qnn_{precision}.yaml"
         config.write_text(
             json.dumps(
                 {
-                    "shards": 3,
-                    "placement": ["xnnpack", "qnn", "xnnpack"],
+                    "shards": 6,
+                    "placement": FP16_PLACEMENT,
                     "max_seq_len": MAX_SEQ_LEN,
                     "prefill_len": PREFILL_LEN,
                     "qnn": {"precision": precision, "calibration": CALIBRATION, "weight_sharing": False},
@@ -133,44 +137,159 @@ def greedy_tokens(*args: str) -> list[int]:
     return json.loads(result.stdout)["tokens"]
 
 
-def test_fp16_generation_equals_eager_in_both_runners(qnn_fp16_export):
-    reference = greedy_tokens("--artifacts", str(qnn_fp16_export), "--reference")
-    assert greedy_tokens("--artifacts", str(qnn_fp16_export)) == reference
-    runner = RUNNER
-    if not runner.exists():
-        pytest.skip("composite_runner is not built (scripts/build_runner.sh)")
-    stats = qnn_fp16_export.parent / "qnn_fp16_stats.json"
+def cpp_stats(folder, stats, max_new_tokens: int = 32) -> tuple[dict, str]:
+    """composite_runner's greedy run of the test prompt: (its stats JSON, its stderr)."""
     result = subprocess.run(
-        [
-            str(runner),
-            "--artifacts",
-            str(qnn_fp16_export),
-            "--prompt",
-            "Once upon a time",
-            "--max_new_tokens",
-            "32",
-            "--stats_json",
-            str(stats),
-        ],
+        [str(RUNNER), "--artifacts", str(folder), "--prompt", "Once upon a time"]
+        + ["--max_new_tokens", str(max_new_tokens), "--stats_json", str(stats)],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(stats.read_text())["tokens"] == reference
-    assert "warning: the QNN shards were compiled" not in result.stderr
+    return json.loads(stats.read_text()), result.stderr
 
 
-@pytest.mark.parametrize("precision", sorted(MEASURED_SQNR))
-def test_quantized_shard_sqnr_is_printed_and_stable(quantized_exports, precision):
+def test_fp16_generation_equals_eager_in_both_runners(qnn_fp16_export):
+    reference = greedy_tokens("--artifacts", str(qnn_fp16_export), "--reference")
+    assert greedy_tokens("--artifacts", str(qnn_fp16_export)) == reference
+    if not RUNNER.exists():
+        pytest.skip("composite_runner is not built (scripts/build_runner.sh)")
+    stats, stderr = cpp_stats(qnn_fp16_export, qnn_fp16_export.parent / "qnn_fp16_stats.json")
+    assert stats["tokens"] == reference
+    assert "warning: the QNN shards were compiled" not in stderr
+
+
+@pytest.mark.parametrize("precision", sorted(FLOAT_IO_SQNR))
+def test_quantized_shard_sqnr_is_printed_and_within_3_db_of_float_io(quantized_exports, precision):
     folder, stdout = quantized_exports[precision]
-    shard = manifest_schema.read(folder)["shards"][1]
-    assert shard["backends"] == ["QnnBackend"]
-    measured = {method: next(iter(outputs.values())) for method, outputs in shard["sqnr_db"].items()}
-    assert f"qnn+{precision}" in stdout and f"{measured['decode']:.1f}/{measured['prefill']:.1f}" in stdout
-    for method, expected in MEASURED_SQNR[precision].items():
-        assert abs(measured[method] - expected) <= 3.0, (
-            f"{precision} {method}: {measured[method]} dB, recorded {expected}"
-        )
+    for index, float_io in FLOAT_IO_SQNR[precision].items():
+        shard = manifest_schema.read(folder)["shards"][index]
+        assert shard["backends"] == ["QnnBackend"]
+        measured = (shard["sqnr_db"]["decode"]["hidden"], shard["sqnr_db"]["prefill"]["hidden"])
+        assert f"{measured[0]:.1f}/{measured[1]:.1f}" in stdout
+        for method, value, expected in zip(("decode", "prefill"), measured, float_io):
+            assert abs(value - expected) <= 3.0, f"{precision} shard {index} {method}: {value} dB, float I/O {expected}"
+
+
+def quantized_value_io(shard: dict, method: str) -> list[tuple[str, dict]]:
+    """(direction, tensor entry) of the shard's hidden-state and cache I/O."""
+    io = shard["io"][method]
+    return [
+        (side, t)
+        for side in ("inputs", "outputs")
+        for t in io[side]
+        if t["name"] == "hidden" or t["name"].split(".")[0] in ("k_cache", "v_cache", "k_new", "v_new")
+    ]
+
+
+@pytest.mark.parametrize("precision", sorted(FLOAT_IO_SQNR))
+def test_qnn_cache_and_hidden_io_are_quantized_and_shared(quantized_exports, precision):
+    from executorch.runtime import Runtime
+
+    folder, _ = quantized_exports[precision]
+    manifest = manifest_schema.read(folder)
+    shards = manifest["shards"]
+    qnn = [s for s in shards if s["placement"]["backend"] == "qnn"]
+    for shard in qnn:
+        program = Runtime.get().load_program(folder / shard["file"])
+        for method in manifest["methods"]:
+            entries = quantized_value_io(shard, method)
+            assert len(entries) == 2 + 4 * (shard["layers"][1] - shard["layers"][0])
+            meta = program.metadata(method)
+            for side, entry in entries:
+                assert entry["dtype"] == IO_DTYPE[precision] and entry["quant"]["scale"] > 0, entry
+                position = [t["name"] for t in shard["io"][method][side]].index(entry["name"])
+                info = meta.input_tensor_meta(position) if side == "inputs" else meta.output_tensor_meta(position)
+                assert manifest_schema.SCALAR_TYPE_NAMES[int(info.dtype())] == IO_DTYPE[precision]
+        # One scale and zero point per cache, for its input and its new entries, in every method.
+        for layer in range(*shard["layers"]):
+            for kind in ("k", "v"):
+                quants = {
+                    json.dumps(t["quant"], sort_keys=True)
+                    for method in manifest["methods"]
+                    for side, t in quantized_value_io(shard, method)
+                    if t["name"] in (f"{kind}_cache.{layer}", f"{kind}_new.{layer}")
+                }
+                assert len(quants) == 1, (shard["index"], kind, layer, quants)
+    # Between adjacent QNN shards the hidden state passes untouched: the same encoding on both sides;
+    # the CPU ends take and give float32.
+    for left, right in itertools.pairwise(shards):
+        for method in manifest["methods"]:
+            produced, wanted = left["io"][method]["outputs"][0], right["io"][method]["inputs"][0]
+            if left in qnn and right in qnn:
+                assert produced == wanted
+            elif right not in qnn:
+                assert wanted["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("precision", sorted(FLOAT_IO_SQNR))
+def test_quantized_io_runners_agree_and_hold_the_cache_in_its_width(quantized_exports, precision, tmp_path):
+    folder, _ = quantized_exports[precision]
+    python = json.loads(
+        run_cli(
+            "composite.run",
+            "--artifacts",
+            str(folder),
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "32",
+            "--json",
+            check=True,
+        ).stdout
+    )
+    figures, _ = cpp_stats(folder, tmp_path / "stats.json")
+    assert figures["tokens"] == python["tokens"] and len(python["tokens"]) == 32
+    assert figures["kv_cache_bytes_per_shard"] == python["kv_cache_bytes_per_shard"]
+    manifest = manifest_schema.read(folder)
+    float32_layer = 4 * 2 * manifest["model"]["n_kv_heads"] * manifest["model"]["head_dim"] * manifest["max_seq_len"]
+    ratio = {"16a4w": 0.5, "8a8w": 0.25}[precision]
+    for shard, held in zip(manifest["shards"], figures["kv_cache_bytes_per_shard"]):
+        float32 = float32_layer * (shard["layers"][1] - shard["layers"][0])
+        if shard["placement"]["backend"] == "qnn":
+            assert held <= ratio * float32, (shard["index"], held, float32)
+        else:
+            assert held == float32
+
+
+def quantized_io_manifest_error(folder, tmp_path, edit) -> list[str]:
+    """The one error line of each runner on a copy of `folder` whose manifest `edit` changed."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    args = ["--artifacts", str(copy), "--prompt", "Once upon a time", "--max_new_tokens", "2"]
+    return [
+        one_error_line(subprocess.run([str(RUNNER), *args], capture_output=True, text=True)),
+        one_error_line(run_cli("composite.run", *args)),
+    ]
+
+
+def test_a_quantized_io_manifest_that_lies_gets_one_line_in_both_runners(quantized_exports, tmp_path):
+    folder, _ = quantized_exports["16a4w"]
+
+    def entries(manifest, name):
+        shard = manifest["shards"][1]
+        return [t for io in shard["io"].values() for side in io.values() for t in side if t["name"] == name]
+
+    def without_scale(manifest):
+        del entries(manifest, "hidden")[0]["quant"]["scale"]
+
+    def zero_scale(manifest):
+        entries(manifest, "hidden")[0]["quant"]["scale"] = 0
+
+    def as_uint8(manifest):  # consistent in the manifest, but not what the .pte takes
+        for t in entries(manifest, "k_cache.1") + entries(manifest, "k_new.1"):
+            t["dtype"], t["quant"]["zero_point"] = "uint8", 128
+
+    for edit, phrase in (
+        (without_scale, "quant has no 'scale'"),
+        (zero_scale, "quant 'scale' must be a positive number, got 0"),
+        (as_uint8, "program has [2, 32, 96] uint16, manifest says [2, 32, 96] uint8"),
+    ):
+        for line in quantized_io_manifest_error(folder, tmp_path / edit.__name__, edit):
+            assert phrase in line, line
 
 
 def test_skip_ops_leaves_linears_to_xnnpack_inside_the_qnn_shard(qnn_ready, workdir):
@@ -238,14 +357,7 @@ def test_weight_sharing_shrinks_a_qnn_shard_and_the_host_runs_its_twin(qnn_ready
 
     reference = greedy_tokens("--artifacts", str(twin), "--reference")
     assert greedy_tokens("--artifacts", str(twin)) == reference
-    stats = tmp_path / "stats.json"
-    cpp = subprocess.run(
-        [str(RUNNER), "--artifacts", str(twin), *prompt[:2], "--max_new_tokens", "32", "--stats_json", str(stats)],
-        capture_output=True,
-        text=True,
-    )
-    assert cpp.returncode == 0, cpp.stderr
-    assert json.loads(stats.read_text())["tokens"] == reference
+    assert cpp_stats(twin, tmp_path / "stats.json")[0]["tokens"] == reference
 
 
 def test_weight_sharing_must_be_a_boolean(tmp_path):

@@ -40,13 +40,14 @@ def inspect_program(manager) -> tuple[dict, dict]:
     return delegates, cpu_ops
 
 
-def executorch_config():
+def executorch_config(planning: dict | None = None):
     """Graph inputs are not memory-planned: runners bind their own buffers (the KV cache above all)
-    as method inputs, so nothing is copied into the program's arena on each call."""
+    as method inputs, so nothing is copied into the program's arena on each call. planning: method
+    -> a memory-planning pass of its own (quantized I/O), which must not plan inputs either."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
-    return ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False))
+    return ExecutorchBackendConfig(memory_planning_pass=planning or MemoryPlanningPass(alloc_graph_input=False))
 
 
 def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) -> dict:
@@ -54,7 +55,7 @@ def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) ->
         return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
 
 
-def finish(edge, notes: list[str]) -> LoweredShard:
-    manager = edge.to_executorch(executorch_config())
+def finish(edge, notes: list[str], planning: dict | None = None) -> LoweredShard:
+    manager = edge.to_executorch(executorch_config(planning))
     delegates, cpu_ops = inspect_program(manager)
     return LoweredShard(manager.buffer, delegates, cpu_ops, notes)

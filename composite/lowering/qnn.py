@@ -19,6 +19,7 @@ from executorch.runtime import Runtime
 
 from composite import qnn_host
 from composite.errors import UserError
+from composite.lowering import quant_io
 from composite.lowering.calibration import calibrate, sqnr_db
 from composite.lowering.htp_graph import htp_form
 from composite.lowering.program import finish
@@ -84,13 +85,15 @@ class QnnShardLowering:
     built (HTP-friendly form; for quantized precisions also observers inserted per method), then
     calibrated (the export feeds `observers` the shard's real inputs), then `lower`ed."""
 
-    def __init__(self, module, example_inputs: dict, options: dict, n_positions: int):
-        """n_positions: how many rotary positions the shard can be asked for, the cache length plus
+    def __init__(self, module, example_inputs: dict, names: dict, options: dict, n_positions: int):
+        """names: method -> (input names, output names), as the manifest lists them.
+        n_positions: how many rotary positions the shard can be asked for, the cache length plus
         the widest call (the padded tail of a last prefill chunk sits past the cache)."""
         from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
         qnn_host.activate()  # fails early, with one line, when this process cannot lower QNN shards
-        self.example_inputs, self.options = example_inputs, options
+        self.example_inputs, self.names, self.options = example_inputs, names, options
+        self.io_params: dict[str, dict] = {method: {} for method in example_inputs}  # set by lower()
         self.skip_ops = skipped_op_set(options)
         self.skip_ids = set(options.get("skip_node_ids") or [])
         htp = htp_form(module, n_positions, linear_as_conv="aten.linear.default" not in self.skip_ops).eval()
@@ -107,6 +110,14 @@ class QnnShardLowering:
     @property
     def quantized(self) -> bool:
         return self.options["precision"] != "fp16"
+
+    @property
+    def quantized_io(self) -> bool:
+        return self.quantized and self.options.get("quantized_io", True)
+
+    def io_observers(self, method: str) -> dict:
+        """("in" | "out", name) -> observer of each I/O tensor that will be quantized."""
+        return quant_io.io_observers(self.graphs[method], *self.names[method]) if self.quantized_io else {}
 
     def observe(self, method: str, inputs) -> None:
         """One calibration input (quantized precisions only)."""
@@ -129,10 +140,13 @@ class QnnShardLowering:
                     f"{self.options['precision']} QNN shard"
                 )
             graphs = {method: convert_pt2e(graph) for method, graph in graphs.items()}
+            if self.quantized_io:
+                self.io_params = {m: quant_io.read_params(g, *self.names[m]) for m, g in graphs.items()}
         edge = self._to_edge(graphs, compile_spec(self.options))
         twin = None
         if self.options["weight_sharing"]:
-            twin = finish(self._to_edge(graphs, compile_spec({**self.options, "weight_sharing": False})), []).buffer
+            unshared = self._to_edge(graphs, compile_spec({**self.options, "weight_sharing": False}))
+            twin = finish(unshared, [], self.planning()).buffer
         notes = []
         if self.quantized:
             notes.append("calibrated with " + ", ".join(f"{n} {m} inputs" for m, n in self.calibrated.items()))
@@ -143,6 +157,22 @@ class QnnShardLowering:
         if twin is not None:
             notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
         return edge, notes, twin
+
+    def _positions(self, method: str) -> tuple[dict, dict]:
+        """(input position -> dtype, output position -> dtype) of the method's quantized I/O."""
+        inputs, outputs = self.names[method]
+        params = self.io_params[method]
+        return (
+            {i: params[("in", n)].dtype for i, n in enumerate(inputs) if ("in", n) in params},
+            {i: params[("out", n)].dtype for i, n in enumerate(outputs) if ("out", n) in params},
+        )
+
+    def planning(self) -> dict | None:
+        """Per-method memory planning that gives the quantized I/O tensors their dtypes (None: no
+        quantized I/O)."""
+        if not any(self.io_params.values()):
+            return None
+        return {method: quant_io.planning_pass(*self._positions(method)) for method in self.graphs}
 
     def _to_edge(self, graphs: dict, spec):
         from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
@@ -158,8 +188,25 @@ class QnnShardLowering:
                 exported = torch.export.export(graph, self.example_inputs[method], strict=False)
             pass_manager = get_qnn_pass_manager_cls()()
             programs[method] = pass_manager.transform_for_export_pipeline(exported)
+            job = pass_manager.get_capture_program_passes()
+            if self.io_params[method]:  # the QNN graph takes and gives these tensors quantized
+                from executorch.backends.qualcomm._passes import TagQuantIO
+                from executorch.backends.qualcomm.utils.constants import (
+                    QCOM_PASS_ACTIVATE_KEY,
+                    QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY,
+                )
+
+                user_inputs = list(exported.graph_signature.user_inputs)
+                job[TagQuantIO][QCOM_PASS_ACTIVATE_KEY] = True
+                job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = quant_io.tag_function(
+                    user_inputs, *self._positions(method)
+                )
             passes[method] = pass_manager.get_to_edge_transform_passes(
-                exported, compiler_specs=spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops
+                exported,
+                passes_job=job,
+                compiler_specs=spec,
+                skip_node_id_set=self.skip_ids,
+                skip_node_op_set=self.skip_ops,
             )
             partitioners[method] = [
                 QnnPartitioner(spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops)
@@ -223,6 +270,7 @@ class QnnShards:
         self.lowered: dict[int, tuple] = {}  # shard index -> (edge program, notes, twin), until finish()
         started = time.perf_counter()
         self.held_out = self._calibrate(model, methods, max_seq_len, tokenizer)
+        self._share_io_ranges()
         quantized = any(job.quantized for job in jobs.values())
         self.calibration_seconds = round(time.perf_counter() - started, 2) if quantized else None
 
@@ -241,21 +289,38 @@ class QnnShards:
             held_out.update(calibrate(model, self.modules, consumers, methods, max_seq_len, options, tokenizer))
         return held_out
 
-    def lower(self, index: int) -> None:
-        self.lowered[index] = self.jobs.pop(index).lower()  # the prepared graphs go once lowered
+    def _share_io_ranges(self) -> None:
+        """One range per layer cache (its input and new-entry output, in every method) and per
+        hidden state passed between two adjacent quantized-I/O QNN shards (in each method)."""
+        groups: dict[tuple, list] = {}
+        for index, job in self.jobs.items():
+            for method in job.graphs:
+                for (side, name), observer in job.io_observers(method).items():
+                    if name == "hidden":
+                        key = ("hidden", index if side == "out" else index - 1, method)
+                    else:
+                        key = (name.split("_")[0], name.split(".")[1])  # ("k" | "v", layer)
+                    groups.setdefault(key, []).append(observer)
+        quant_io.share_ranges(list(groups.values()))
 
-    def finish(self, output_names: dict[int, dict[str, list[str]]]) -> tuple[dict[int, tuple], dict]:
-        """output_names: shard index -> method -> its outputs' names. -> ({shard index:
-        (LoweredShard, own spill-fill bytes, SQNR per method and output)}, the manifest's qnn summary)."""
+    def lower(self, index: int) -> None:
+        job = self.jobs.pop(index)  # the prepared graphs go once lowered
+        edge, notes, twin = job.lower()
+        self.lowered[index] = (edge, notes, twin, job.io_params, job.planning())
+
+    def finish(self, io_names: dict[int, dict[str, tuple]]) -> tuple[dict[int, tuple], dict]:
+        """io_names: shard index -> method -> (its inputs' names, its outputs' names). -> ({shard index:
+        (LoweredShard, own spill-fill bytes, SQNR per method and output, quantized I/O parameters
+        per method)}, the manifest's qnn summary)."""
         indices = sorted(self.lowered)
         shared, own = share_spill_fill([self.lowered[i][0] for i in indices])
         host = qnn_host.prepare()
         results = {}
         for index, own_bytes in zip(indices, own):
-            edge, notes, twin = self.lowered.pop(index)
-            shard = finish(edge, notes)
-            measured = self.measure(twin or shard.buffer, index, output_names[index])
-            results[index] = (shard, own_bytes, measured)
+            edge, notes, twin, io_params, planning = self.lowered.pop(index)
+            shard = finish(edge, notes, planning)
+            measured = self.measure(twin or shard.buffer, index, io_names[index], io_params)
+            results[index] = (shard, own_bytes, measured, io_params)
         summary = {
             "build_id": host.build_id,
             "libraries": host.source,
@@ -264,14 +329,27 @@ class QnnShards:
         }
         return results, summary
 
-    def measure(self, buffer: bytes, index: int, names: dict[str, list[str]]) -> dict[str, dict[str, float]]:
-        """method -> output name -> SQNR (dB) of the lowered shard (its .pte bytes) against the float shard."""
+    def measure(
+        self, buffer: bytes, index: int, names: dict[str, tuple], io_params: dict
+    ) -> dict[str, dict[str, float]]:
+        """method -> output name -> SQNR (dB) of the lowered shard (its .pte bytes) against the float
+        shard, quantized I/O converted as the runners convert it."""
         program = Runtime.get().load_program(buffer)
         result = {}
         for method in names:  # decode, then prefill, as the manifest lists methods
             inputs = self.held_out[index][method]
-            actual = program.load_method(method).execute(list(inputs))
+            params = io_params.get(method) or {}
+            input_names, output_names = names[method]
+            fed = [
+                params[("in", name)].quantize(t) if ("in", name) in params else t
+                for name, t in zip(input_names, inputs)
+            ]
+            actual = program.load_method(method).execute(fed)
+            actual = [
+                params[("out", name)].dequantize(t) if ("out", name) in params else t
+                for name, t in zip(output_names, actual)
+            ]
             with torch.no_grad():
                 expected = self.modules[index](*inputs)
-            result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(names[method], expected, actual)}
+            result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected, actual)}
         return result

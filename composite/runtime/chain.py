@@ -15,6 +15,7 @@ from composite import qnn_host
 from composite.errors import UserError
 from composite.model.llama import cache_shapes
 from composite.runtime.kv_cache import AttentionMask, KVCache
+from composite.runtime.quantized import QuantParams, convert
 
 # method name -> callable(list of input tensors) -> list of output tensors, one dict per shard
 ShardRunners = dict[str, Callable[[list], list]]
@@ -31,8 +32,12 @@ class Chain:
         max_seq_len: int,
         cache: KVCache,
         mask_hidden: float,
+        hidden_encodings: list[dict] | None = None,
     ):
+        """hidden_encodings: per shard, method -> (encoding of its hidden input, of its hidden
+        output), QuantParams or None for float32; None: all float32."""
         self.shards, self.runners, self.methods = shards, runners, dict(methods)
+        self.hidden_encodings = hidden_encodings or [{m: (None, None) for m in methods} for _ in shards]
         self.max_seq_len, self.cache = max_seq_len, cache
         self.masks = {name: AttentionMask(n, max_seq_len, mask_hidden) for name, n in self.methods.items()}
         self.shard_seconds = [0.0] * len(shards)
@@ -52,9 +57,13 @@ class Chain:
         padded = torch.tensor([tokens + [0] * (width - count)], dtype=torch.int64)
         positions = torch.arange(pos, pos + width, dtype=torch.int64)
         mask = self.masks[method].at(pos)
-        x = padded
+        x, encoding = padded, None
         for shard, runners in zip(self.shards, self.runners):
             first, end = shard["layers"]
+            started = time.perf_counter()  # a hidden-state conversion counts as the shard's time
+            wanted, produced = self.hidden_encodings[shard["index"]][method]
+            if not shard["has_embedding"]:
+                x = convert(x, encoding, wanted)  # only where a quantized shard meets a float one
             inputs = [x]
             if end > first:
                 inputs += [positions, mask]
@@ -64,15 +73,14 @@ class Chain:
                 inputs.append(torch.tensor([count - 1], dtype=torch.int64))
             if self.input_observer is not None:
                 self.input_observer(shard["index"], method, inputs)
-            started = time.perf_counter()
             outputs = runners[method](inputs)
             self.shard_seconds[shard["index"]] += time.perf_counter() - started
-            x = outputs[0]
+            x, encoding = outputs[0], produced
             started = time.perf_counter()
             for i, layer in enumerate(range(first, end)):
                 self.cache.write(layer, outputs[1 + 2 * i], outputs[2 + 2 * i], pos, count)
             self.kv_write_seconds += time.perf_counter() - started
-        return x[0, -1]
+        return x[0, -1]  # the head's logits are float32 (the manifest readers check it)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -93,6 +101,7 @@ class ShardChain(Chain):
         self.folder = Path(folder)
         self.manifest = manifest_schema.read(self.folder)
         manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
+        shards = self.manifest["shards"]
         shared = manifest_schema.weight_shared_shards(self.manifest)
         if shared:
             raise UserError(manifest_schema.weight_sharing_refusal(shared))
@@ -109,20 +118,49 @@ class ShardChain(Chain):
             path = self.folder / shard["file"]
             try:
                 program = runtime.load_program(path)
+            except (RuntimeError, ValueError) as e:
+                raise UserError(f"shard {shard['index']}: ExecuTorch cannot load {path}: {e}") from None
+            try:
+                manifest_schema.check_against_program(program, shard)
+            except RuntimeError as e:
+                raise UserError(str(e)) from None
+            try:
                 runners.append({name: program.load_method(name).execute for name in self.manifest["methods"]})
             except (RuntimeError, ValueError) as e:
                 raise UserError(f"shard {shard['index']}: ExecuTorch cannot load {path}: {e}") from None
         self.load_seconds = time.perf_counter() - started
         kv = self.manifest["kv_cache"]
-        cache = KVCache(self.manifest["model"]["n_layers"], kv["k_shape"], kv["v_shape"])
+        cache = KVCache(self.manifest["model"]["n_layers"], kv["k_shape"], kv["v_shape"], cache_encodings(shards))
         super().__init__(
-            self.manifest["shards"],
+            shards,
             runners,
             self.manifest["methods"],
             self.manifest["max_seq_len"],
             cache,
             self.manifest["mask"]["hidden"],
+            [hidden_encodings(shard) for shard in shards],
         )
+
+
+def cache_encodings(shards: list[dict]) -> list[tuple]:
+    """Per layer, (k, v) encodings of its cache: as the shard holding the layer takes it in."""
+    encodings = []
+    for shard in shards:
+        inputs = {t["name"]: t for t in shard["io"][manifest_schema.DECODE]["inputs"]}
+        for layer in range(*shard["layers"]):
+            encodings.append((QuantParams.of(inputs[f"k_cache.{layer}"]), QuantParams.of(inputs[f"v_cache.{layer}"])))
+    return encodings
+
+
+def hidden_encodings(shard: dict) -> dict:
+    """method -> (encoding of the shard's hidden input, of its hidden output)."""
+    return {
+        method: (
+            None if shard["has_embedding"] else QuantParams.of(io["inputs"][0]),
+            None if shard["has_head"] else QuantParams.of(io["outputs"][0]),
+        )
+        for method, io in shard["io"].items()
+    }
 
 
 def eager_chain(model, shard_modules: list, methods: dict[str, int], max_seq_len: int) -> Chain:
@@ -136,7 +174,12 @@ def eager_chain(model, shard_modules: list, methods: dict[str, int], max_seq_len
         return run
 
     shards = [
-        {"index": m.spec.index, "layers": [m.spec.layer_start, m.spec.layer_end], "has_head": m.spec.has_head}
+        {
+            "index": m.spec.index,
+            "layers": [m.spec.layer_start, m.spec.layer_end],
+            "has_embedding": m.spec.has_embedding,
+            "has_head": m.spec.has_head,
+        }
         for m in shard_modules
     ]
     runners = [{name: runner(m) for name in methods} for m in shard_modules]

@@ -6,20 +6,31 @@ import torch
 
 
 class KVCache:
-    """One k and one v tensor per layer, shaped as the manifest's kv_cache says, updated in place."""
+    """One k and one v tensor per layer, shaped as the manifest's kv_cache says, updated in place.
+    encodings: per layer, (k, v) QuantParams of a quantized cache, or None for float32."""
 
-    def __init__(self, n_layers: int, k_shape: list[int], v_shape: list[int]):
-        self.k = [torch.zeros(k_shape, dtype=torch.float32) for _ in range(n_layers)]
-        self.v = [torch.zeros(v_shape, dtype=torch.float32) for _ in range(n_layers)]
+    def __init__(self, n_layers: int, k_shape: list[int], v_shape: list[int], encodings: list | None = None):
+        self.encodings = encodings or [(None, None)] * n_layers
+        self.k = [self._empty(k_shape, k) for k, _ in self.encodings]
+        self.v = [self._empty(v_shape, v) for _, v in self.encodings]
+
+    @staticmethod
+    def _empty(shape: list[int], encoding) -> torch.Tensor:
+        # An empty slot holds zero: the zero point of a quantized cache.
+        if encoding is None:
+            return torch.zeros(shape, dtype=torch.float32)
+        return torch.full(shape, encoding.zero_point, dtype=encoding.dtype)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos: int, count: int) -> None:
-        """Store the first `count` new entries (k [kv,hd,T], v [kv,T,hd]) at slots pos.."""
+        """Store the first `count` new entries (k [kv,hd,T], v [kv,T,hd]) at slots pos.. (new
+        entries come in the cache's own encoding)."""
         self.k[layer][:, :, pos : pos + count] = k_new[:, :, :count]
         self.v[layer][:, pos : pos + count, :] = v_new[:, :count, :]
 
     def reset(self) -> None:
-        for t in (*self.k, *self.v):
-            t.zero_()
+        for layer, (k, v) in enumerate(self.encodings):
+            self.k[layer].fill_(0 if k is None else k.zero_point)
+            self.v[layer].fill_(0 if v is None else v.zero_point)
 
 
 class AttentionMask:

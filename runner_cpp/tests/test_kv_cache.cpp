@@ -3,11 +3,12 @@
 #include "kv_cache.h"
 
 using composite::AttentionMask;
+using composite::Encoding;
 using composite::KVCache;
 
 TEST(KVCache, WritesOnlyTheValidNewEntriesAtThePosition) {
   const int kv = 2, hd = 3, S = 8, width = 4;
-  KVCache cache(1, kv, hd, S);
+  KVCache cache(kv, hd, S, {{Encoding{}, Encoding{}}});
   std::vector<float> k_new(kv * hd * width), v_new(kv * width * hd);
   for (size_t i = 0; i < k_new.size(); ++i) k_new[i] = 100 + i;
   for (size_t i = 0; i < v_new.size(); ++i) v_new[i] = 200 + i;
@@ -17,15 +18,45 @@ TEST(KVCache, WritesOnlyTheValidNewEntriesAtThePosition) {
       for (int s = 0; s < S; ++s) {
         // k [kv, hd, S] from k_new [kv, hd, width]
         const float expected = (s == 5 || s == 6) ? k_new[(h * hd + d) * width + (s - 5)] : 0.f;
-        EXPECT_EQ(cache.k(0)[(h * hd + d) * S + s], expected);
+        EXPECT_EQ(static_cast<const float*>(cache.k(0))[(h * hd + d) * S + s], expected);
         // v [kv, S, hd] from v_new [kv, width, hd]
         const float expected_v = (s == 5 || s == 6) ? v_new[(h * width + (s - 5)) * hd + d] : 0.f;
-        EXPECT_EQ(cache.v(0)[(h * S + s) * hd + d], expected_v);
+        EXPECT_EQ(static_cast<const float*>(cache.v(0))[(h * S + s) * hd + d], expected_v);
       }
     }
   }
   cache.clear();
-  EXPECT_EQ(cache.k(0)[5], 0.f);
+  EXPECT_EQ(static_cast<const float*>(cache.k(0))[5], 0.f);
+}
+
+TEST(KVCache, AQuantizedLayerKeepsItsEncodingAndEmptiesToTheZeroPoint) {
+  const int kv = 1, hd = 2, S = 4, width = 2;
+  const Encoding k16{Encoding::Kind::UInt16, 0.01f, 30000}, v8{Encoding::Kind::UInt8, 0.1f, 128};
+  KVCache cache(kv, hd, S, {{Encoding{}, Encoding{}}, {k16, v8}});
+  const uint16_t* k = static_cast<const uint16_t*>(cache.k(1));
+  const uint8_t* v = static_cast<const uint8_t*>(cache.v(1));
+  for (int i = 0; i < kv * hd * S; ++i) EXPECT_EQ(k[i], 30000);
+  for (int i = 0; i < kv * hd * S; ++i) EXPECT_EQ(v[i], 128);
+  const std::vector<uint16_t> k_new = {1, 2, 3, 4};  // [kv, hd, width]
+  const std::vector<uint8_t> v_new = {5, 6, 7, 8};   // [kv, width, hd]
+  cache.write(1, k_new.data(), v_new.data(), width, 1, 2);
+  EXPECT_EQ(std::vector<uint16_t>(k, k + 8), (std::vector<uint16_t>{30000, 1, 2, 30000, 30000, 3, 4, 30000}));
+  EXPECT_EQ(std::vector<uint8_t>(v, v + 8), (std::vector<uint8_t>{128, 128, 5, 6, 7, 8, 128, 128}));
+}
+
+TEST(Quantized, ConvertsAsFloorOfClampedHalfUpAndBack) {
+  const Encoding q16{Encoding::Kind::UInt16, 0.5f, 100}, q8{Encoding::Kind::UInt8, 0.25f, 10};
+  const std::vector<float> x = {0.f, 0.25f, -0.25f, 1.0f, -100.f, 1e9f, -1e9f};
+  std::vector<uint16_t> q(x.size());
+  composite::convert(x.data(), Encoding{}, q.data(), q16, x.size());
+  // 0.25 / 0.5 + 100 = 100.5 rounds up; -0.25 -> 99.5 -> 100; clamps at 0 and 65535
+  EXPECT_EQ(q, (std::vector<uint16_t>{100, 101, 100, 102, 0, 65535, 0}));
+  std::vector<float> back(q.size());
+  composite::convert(q.data(), q16, back.data(), Encoding{}, q.size());
+  EXPECT_EQ(back, (std::vector<float>{0.f, 0.5f, 0.f, 1.f, -50.f, 32717.5f, -50.f}));
+  std::vector<uint8_t> q8s(q.size());
+  composite::convert(q.data(), q16, q8s.data(), q8, q.size());  // through float: 0, 0.5, 0, 1, -50 ...
+  EXPECT_EQ(q8s, (std::vector<uint8_t>{10, 12, 10, 14, 0, 255, 0}));
 }
 
 TEST(AttentionMask, CacheColumnsFollowThePositionAndOwnColumnsAreCausal) {
