@@ -54,7 +54,7 @@ BACKEND_OPTION_KEYS = {
         "soc",
         "precision",
         "weight_sharing",
-        "quantized_io",
+        "native_io",
         "overrides",
         "calibration",
         "skip_ops",
@@ -67,9 +67,9 @@ DEFAULT_OPTIONS = {
     # weight_sharing: decode and prefill share one copy of the weights in the shard's QNN context.
     # The phone loads such a context; the x86 HTP simulator cannot, so exports to run on this host
     # turn it off (`--no-weight-sharing`), which leaves everything else identical.
-    # quantized_io: a quantized shard takes and gives its hidden state and KV cache as uint16 / uint8
-    # (the shard's activation width) rather than float32; false keeps float32 I/O.
-    "qnn": {"soc": "SM8650", "precision": "fp16", "weight_sharing": True, "quantized_io": True},
+    # native_io: the shard takes and gives its hidden state and KV cache in its own activation dtype
+    # (float16 for fp16, uint16 for 16-bit activations, uint8 for 8-bit); false keeps float32 I/O.
+    "qnn": {"soc": "SM8650", "precision": "fp16", "weight_sharing": True, "native_io": True},
 }
 
 
@@ -192,7 +192,7 @@ def _check_backend_options(backend: str, options: dict, where: str) -> None:
             raise UserError(
                 f"{where}: qnn precision must be one of {', '.join(QNN_PRECISIONS)}, got {options['precision']!r}"
             )
-        for key in ("weight_sharing", "quantized_io"):
+        for key in ("weight_sharing", "native_io"):
             if not isinstance(options[key], bool):
                 raise UserError(f"{where}: qnn {key} must be true or false, got {options[key]!r}")
         _check_qnn_details(options, where)

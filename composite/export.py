@@ -118,8 +118,8 @@ def lower_all(
     if qnn is None:
         return [entries[i] for i in sorted(entries)], None
     results, summary = qnn.finish({i: names[i] for i in qnn.lowered})
-    for index, (lowered, own_spill_fill, sqnr, io_params) in results.items():
-        entry = write_shard(folder, specs[index], placements[index], lowered, io[index], seconds[index], io_params)
+    for index, (lowered, own_spill_fill, sqnr, io_encodings) in results.items():
+        entry = write_shard(folder, specs[index], placements[index], lowered, io[index], seconds[index], io_encodings)
         entries[index] = {**entry, "spill_fill_bytes": own_spill_fill, "sqnr_db": sqnr}
     return [entries[i] for i in sorted(entries)], summary
 
@@ -131,20 +131,21 @@ def write_shard(
     lowered: LoweredShard,
     io: dict,
     seconds: float,
-    io_params: dict | None = None,
+    io_encodings: dict | None = None,
 ) -> dict:
     """Write one shard's .pte and describe it; the program's own metadata must match the description.
-    io_params: method -> ("in" | "out", name) -> QuantParams of its quantized I/O tensors."""
+    io_encodings: method -> ("in" | "out", name) -> Encoding of its native I/O tensors."""
     path = folder / f"shard_{spec.index:02d}.pte"
     path.write_bytes(lowered.buffer)
     described = {}
     for m, (i, o) in io.items():
-        quantized = {
-            key: (manifest_schema.dtype_name(p.dtype), p.entry()) for key, p in (io_params or {}).get(m, {}).items()
+        native = {
+            key: (manifest_schema.dtype_name(e.dtype), e.quant_entry())
+            for key, e in (io_encodings or {}).get(m, {}).items()
         }
         described[m] = {
-            "inputs": manifest_schema.tensor_entries(i, {n: q for (side, n), q in quantized.items() if side == "in"}),
-            "outputs": manifest_schema.tensor_entries(o, {n: q for (side, n), q in quantized.items() if side == "out"}),
+            "inputs": manifest_schema.tensor_entries(i, {n: q for (side, n), q in native.items() if side == "in"}),
+            "outputs": manifest_schema.tensor_entries(o, {n: q for (side, n), q in native.items() if side == "out"}),
         }
     entry = manifest_schema.shard_entry(path, spec, placement, lowered, described, seconds)
     manifest_schema.check_against_program(Runtime.get().load_program(path), entry)

@@ -45,7 +45,7 @@ tools (the runners ignore it). Every key is written by every export unless marke
                                  # dtype float32|float16|int64|int32|uint8|uint16; a uint8/uint16
                                  # tensor also has "quant": {"scale": float > 0, "zero_point": int}
                                  # (real = (q - zero_point) * scale); hidden and cache tensors are
-                                 # float32, uint8 or uint16, logits float32; a layer's cache inputs
+                                 # float32, float16, uint8 or uint16, logits float32; a layer's cache inputs
                                  # and new-entry outputs share one dtype and quant in every method
      "export_seconds": float, "notes": [str],   # e.g. linears left unquantized
      "spill_fill_bytes": int,    # optional, QNN shards: this shard's own need
@@ -97,6 +97,7 @@ DTYPES = {
 }
 QUANTIZED_DTYPES = {"uint8": 255, "uint16": 65535}  # dtype -> largest value
 CACHE_PREFIXES = ("k_cache.", "v_cache.", "k_new.", "v_new.")
+VALUE_DTYPES = ("float32", "float16", *QUANTIZED_DTYPES)  # of hidden states and caches
 DTYPE_BYTES = {"float32": 4, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "uint16": 2}
 DTYPE_NAMES = {torch_name: name for name, (torch_name, _) in DTYPES.items()}
 SCALAR_TYPE_NAMES = {code: name for name, (_, code) in DTYPES.items()}
@@ -128,13 +129,15 @@ def memory_figures(manifest: dict) -> dict:
     return {"kv_cache_bytes": sum(per_shard), "kv_cache_bytes_per_shard": per_shard, "decode_io_bytes_per_shard": io}
 
 
-def tensor_entries(specs, quantized: dict | None = None) -> list[dict]:
-    """quantized: name -> (dtype name, {scale, zero_point}) of the tensors given as integers."""
+def tensor_entries(specs, native: dict | None = None) -> list[dict]:
+    """native: name -> (dtype name, {scale, zero_point} or None) of tensors in a QNN shard's own dtype."""
     entries = []
     for s in specs:
         entry = {"name": s.name, "shape": list(s.shape), "dtype": dtype_name(s.dtype)}
-        if quantized and s.name in quantized:
-            entry["dtype"], entry["quant"] = quantized[s.name]
+        if native and s.name in native:
+            entry["dtype"], quant = native[s.name]
+            if quant is not None:
+                entry["quant"] = quant
         entries.append(entry)
     return entries
 
@@ -349,20 +352,17 @@ def _check_quant(tensor: dict, dtype: str, what: str) -> None:
 
 
 def _check_value_dtypes(io: dict, where: str) -> None:
-    """The runners feed and read hidden states and caches as float32, uint8 or uint16, and sample
-    float32 logits."""
+    """The runners feed and read hidden states and caches as float32, float16, uint8 or uint16, and
+    sample float32 logits."""
     for method, sides in io.items():
         for side in ("inputs", "outputs"):
             for tensor in sides[side]:
                 name, dtype = tensor["name"], tensor["dtype"]
                 if name == "logits" and dtype != "float32":
                     raise UserError(f"{where} {method} {side}: tensor logits must be float32, got {dtype}")
-                if (name == "hidden" or name.startswith(CACHE_PREFIXES)) and dtype not in (
-                    "float32",
-                    *QUANTIZED_DTYPES,
-                ):
+                if (name == "hidden" or name.startswith(CACHE_PREFIXES)) and dtype not in VALUE_DTYPES:
                     raise UserError(
-                        f"{where} {method} {side}: tensor {name} must be float32, uint8 or uint16, got {dtype}"
+                        f"{where} {method} {side}: tensor {name} must be float32, float16, uint8 or uint16, got {dtype}"
                     )
 
 

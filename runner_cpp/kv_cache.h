@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "quantized.h"
+#include "encoding.h"
 
 namespace composite {
 

@@ -131,7 +131,7 @@ void parse_quant(const json& tensor, TensorDesc& desc, const std::string& what) 
   desc.zero_point = zero_point.get<int64_t>();
 }
 
-// The runners feed and read hidden states and caches as float32, uint8 or uint16, and sample
+// The runners feed and read hidden states and caches as float32, float16, uint8 or uint16, and sample
 // float32 logits.
 void check_value_dtypes(const ShardInfo& shard, const std::string& where) {
   for (const auto& [method, io] : shard.io) {
@@ -143,9 +143,9 @@ void check_value_dtypes(const ShardInfo& shard, const std::string& where) {
         }
         const bool value = t.name == "hidden" || t.name.rfind("k_cache.", 0) == 0 || t.name.rfind("v_cache.", 0) == 0 ||
                            t.name.rfind("k_new.", 0) == 0 || t.name.rfind("v_new.", 0) == 0;
-        if (value && t.dtype != "float32" && !t.quantized()) {
+        if (value && t.dtype != "float32" && t.dtype != "float16" && !t.quantized()) {
           throw RunnerError(where + " " + method + " " + side + ": tensor " + t.name +
-                            " must be float32, uint8 or uint16, got " + t.dtype);
+                            " must be float32, float16, uint8 or uint16, got " + t.dtype);
         }
       }
     }

@@ -52,6 +52,8 @@ ScalarType scalar_type(const Encoding& encoding) {
       return ScalarType::Byte;
     case Encoding::Kind::UInt16:
       return ScalarType::UInt16;
+    case Encoding::Kind::Float16:
+      return ScalarType::Half;
     default:
       return ScalarType::Float;
   }

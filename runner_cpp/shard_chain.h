@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "encoding.h"
 #include "generate.h"
 #include "kv_cache.h"
 #include "manifest.h"
-#include "quantized.h"
 
 namespace composite {
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from composite import manifest as manifest_schema
+from composite.runtime.encoding import Encoding, convert
 from conftest import (
     FP16_PLACEMENT,
     MAX_SEQ_LEN,
@@ -32,14 +33,15 @@ from conftest import (
 )
 
 # SQNR (dB) of each quantized QNN shard's hidden output on its held-out input, decode / prefill,
-# with float32 I/O (`quantized_io: false`), as measured when these tests were written: embedded
+# with float32 I/O (`native_io: false`), as measured when these tests were written: embedded
 # default, 6 shards (xnnpack, qnn x 4, xnnpack), 8 calibration samples per method. The tests hold
 # the default quantized I/O within 3 dB of these.
 FLOAT_IO_SQNR = {
     "16a4w": {1: (38.2, 30.8), 2: (36.6, 32.9), 3: (39.0, 32.8), 4: (36.0, 33.0)},
     "8a8w": {1: (37.0, 32.0), 2: (36.4, 34.0), 3: (36.0, 35.0), 4: (36.4, 34.9)},
 }
-IO_DTYPE = {"16a4w": "uint16", "8a8w": "uint8"}
+IO_DTYPE = {"fp16": "float16", "16a4w": "uint16", "8a8w": "uint8"}  # native I/O per precision
+NATIVE_PRECISIONS = sorted(IO_DTYPE)
 CALIBRATION = {"samples": 8}
 
 
@@ -120,8 +122,10 @@ def test_fp16_middle_shards_are_qnn_and_each_matches_eager(qnn_fp16_export):
     for shard, module in zip(manifest["shards"], modules):
         program = runtime.load_program(qnn_fp16_export / shard["file"])
         for method, samples in captured[shard["index"]].items():
-            for inputs in samples:
-                actual = program.load_method(method).execute(list(inputs))[0]
+            io = shard["io"][method]
+            for inputs in samples:  # fed and read in the shard's own encodings (float16 I/O)
+                fed = [convert(t, None, Encoding.of(entry)) for t, entry in zip(inputs, io["inputs"])]
+                actual = convert(program.load_method(method).execute(fed)[0], Encoding.of(io["outputs"][0]), None)
                 with torch.no_grad():
                     expected = module(*inputs)[0]
                 cosine = torch.nn.functional.cosine_similarity(
@@ -171,7 +175,7 @@ def test_quantized_shard_sqnr_is_printed_and_within_3_db_of_float_io(quantized_e
             assert abs(value - expected) <= 3.0, f"{precision} shard {index} {method}: {value} dB, float I/O {expected}"
 
 
-def quantized_value_io(shard: dict, method: str) -> list[tuple[str, dict]]:
+def native_value_io(shard: dict, method: str) -> list[tuple[str, dict]]:
     """(direction, tensor entry) of the shard's hidden-state and cache I/O."""
     io = shard["io"][method]
     return [
@@ -182,22 +186,30 @@ def quantized_value_io(shard: dict, method: str) -> list[tuple[str, dict]]:
     ]
 
 
-@pytest.mark.parametrize("precision", sorted(FLOAT_IO_SQNR))
-def test_qnn_cache_and_hidden_io_are_quantized_and_shared(quantized_exports, precision):
+@pytest.fixture(params=NATIVE_PRECISIONS)
+def native_export(request):
+    """(precision, export folder): the 6-shard default with fp16, 16a4w or 8a8w QNN shards."""
+    if request.param == "fp16":
+        return request.param, request.getfixturevalue("qnn_fp16_export")
+    return request.param, request.getfixturevalue("quantized_exports")[request.param][0]
+
+
+def test_qnn_cache_and_hidden_io_are_native_and_shared(native_export):
     from executorch.runtime import Runtime
 
-    folder, _ = quantized_exports[precision]
+    precision, folder = native_export
     manifest = manifest_schema.read(folder)
     shards = manifest["shards"]
     qnn = [s for s in shards if s["placement"]["backend"] == "qnn"]
     for shard in qnn:
         program = Runtime.get().load_program(folder / shard["file"])
         for method in manifest["methods"]:
-            entries = quantized_value_io(shard, method)
+            entries = native_value_io(shard, method)
             assert len(entries) == 2 + 4 * (shard["layers"][1] - shard["layers"][0])
             meta = program.metadata(method)
             for side, entry in entries:
-                assert entry["dtype"] == IO_DTYPE[precision] and entry["quant"]["scale"] > 0, entry
+                assert entry["dtype"] == IO_DTYPE[precision], entry
+                assert precision == "fp16" or entry["quant"]["scale"] > 0, entry
                 position = [t["name"] for t in shard["io"][method][side]].index(entry["name"])
                 info = meta.input_tensor_meta(position) if side == "inputs" else meta.output_tensor_meta(position)
                 assert manifest_schema.SCALAR_TYPE_NAMES[int(info.dtype())] == IO_DTYPE[precision]
@@ -205,9 +217,9 @@ def test_qnn_cache_and_hidden_io_are_quantized_and_shared(quantized_exports, pre
         for layer in range(*shard["layers"]):
             for kind in ("k", "v"):
                 quants = {
-                    json.dumps(t["quant"], sort_keys=True)
+                    json.dumps(t.get("quant"), sort_keys=True)
                     for method in manifest["methods"]
-                    for side, t in quantized_value_io(shard, method)
+                    for side, t in native_value_io(shard, method)
                     if t["name"] in (f"{kind}_cache.{layer}", f"{kind}_new.{layer}")
                 }
                 assert len(quants) == 1, (shard["index"], kind, layer, quants)
@@ -222,9 +234,8 @@ def test_qnn_cache_and_hidden_io_are_quantized_and_shared(quantized_exports, pre
                 assert wanted["dtype"] == "float32"
 
 
-@pytest.mark.parametrize("precision", sorted(FLOAT_IO_SQNR))
-def test_quantized_io_runners_agree_and_hold_the_cache_in_its_width(quantized_exports, precision, tmp_path):
-    folder, _ = quantized_exports[precision]
+def test_native_io_runners_agree_and_hold_the_cache_in_its_width(native_export, tmp_path):
+    precision, folder = native_export
     python = json.loads(
         run_cli(
             "composite.run",
@@ -243,7 +254,7 @@ def test_quantized_io_runners_agree_and_hold_the_cache_in_its_width(quantized_ex
     assert figures["kv_cache_bytes_per_shard"] == python["kv_cache_bytes_per_shard"]
     manifest = manifest_schema.read(folder)
     float32_layer = 4 * 2 * manifest["model"]["n_kv_heads"] * manifest["model"]["head_dim"] * manifest["max_seq_len"]
-    ratio = {"16a4w": 0.5, "8a8w": 0.25}[precision]
+    ratio = {"fp16": 0.5, "16a4w": 0.5, "8a8w": 0.25}[precision]
     for shard, held in zip(manifest["shards"], figures["kv_cache_bytes_per_shard"]):
         float32 = float32_layer * (shard["layers"][1] - shard["layers"][0])
         if shard["placement"]["backend"] == "qnn":

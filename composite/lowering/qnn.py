@@ -19,10 +19,11 @@ from executorch.runtime import Runtime
 
 from composite import qnn_host
 from composite.errors import UserError
-from composite.lowering import quant_io
+from composite.lowering import native_io
 from composite.lowering.calibration import calibrate, sqnr_db
 from composite.lowering.htp_graph import htp_form
 from composite.lowering.program import finish
+from composite.runtime.encoding import Encoding, convert
 
 QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
 
@@ -93,12 +94,27 @@ class QnnShardLowering:
 
         qnn_host.activate()  # fails early, with one line, when this process cannot lower QNN shards
         self.example_inputs, self.names, self.options = example_inputs, names, options
-        self.io_params: dict[str, dict] = {method: {} for method in example_inputs}  # set by lower()
+        # method -> ("in" | "out", name) -> Encoding of each native I/O tensor (quantized: set by lower())
+        self.io_encodings: dict[str, dict] = {method: {} for method in example_inputs}
         self.skip_ops = skipped_op_set(options)
         self.skip_ids = set(options.get("skip_node_ids") or [])
         htp = htp_form(module, n_positions, linear_as_conv="aten.linear.default" not in self.skip_ops).eval()
         self.calibrated = {method: 0 for method in example_inputs}
         if options["precision"] == "fp16":
+            if self.native_io:
+                htp = native_io.HalfIO(htp, has_head=next(iter(names.values()))[1][0] == "logits")
+                half = Encoding(torch.float16)
+                for method, (inputs, outputs) in names.items():
+                    self.example_inputs = {
+                        **self.example_inputs,
+                        method: native_io.half_inputs(inputs, example_inputs[method]),
+                    }
+                    self.io_encodings[method] = {
+                        (side, n): half
+                        for side, ns in (("in", inputs), ("out", outputs))
+                        for n in ns
+                        if native_io.is_native_name(n)
+                    }
             self.graphs = {method: htp for method in example_inputs}
             return
         self.graphs = {}
@@ -112,12 +128,14 @@ class QnnShardLowering:
         return self.options["precision"] != "fp16"
 
     @property
-    def quantized_io(self) -> bool:
-        return self.quantized and self.options.get("quantized_io", True)
+    def native_io(self) -> bool:
+        return self.options.get("native_io", True)
 
     def io_observers(self, method: str) -> dict:
         """("in" | "out", name) -> observer of each I/O tensor that will be quantized."""
-        return quant_io.io_observers(self.graphs[method], *self.names[method]) if self.quantized_io else {}
+        if not (self.quantized and self.native_io):
+            return {}
+        return native_io.io_observers(self.graphs[method], *self.names[method])
 
     def observe(self, method: str, inputs) -> None:
         """One calibration input (quantized precisions only)."""
@@ -140,8 +158,8 @@ class QnnShardLowering:
                     f"{self.options['precision']} QNN shard"
                 )
             graphs = {method: convert_pt2e(graph) for method, graph in graphs.items()}
-            if self.quantized_io:
-                self.io_params = {m: quant_io.read_params(g, *self.names[m]) for m, g in graphs.items()}
+            if self.native_io:
+                self.io_encodings = {m: native_io.read_params(g, *self.names[m]) for m, g in graphs.items()}
         edge = self._to_edge(graphs, compile_spec(self.options))
         twin = None
         if self.options["weight_sharing"]:
@@ -159,20 +177,21 @@ class QnnShardLowering:
         return edge, notes, twin
 
     def _positions(self, method: str) -> tuple[dict, dict]:
-        """(input position -> dtype, output position -> dtype) of the method's quantized I/O."""
+        """(input position -> dtype, output position -> dtype) of the method's quantized I/O (a
+        float16 graph has its I/O dtypes already)."""
         inputs, outputs = self.names[method]
-        params = self.io_params[method]
+        quantized = {key: e for key, e in self.io_encodings[method].items() if e.quantized}
         return (
-            {i: params[("in", n)].dtype for i, n in enumerate(inputs) if ("in", n) in params},
-            {i: params[("out", n)].dtype for i, n in enumerate(outputs) if ("out", n) in params},
+            {i: quantized[("in", n)].dtype for i, n in enumerate(inputs) if ("in", n) in quantized},
+            {i: quantized[("out", n)].dtype for i, n in enumerate(outputs) if ("out", n) in quantized},
         )
 
     def planning(self) -> dict | None:
         """Per-method memory planning that gives the quantized I/O tensors their dtypes (None: no
         quantized I/O)."""
-        if not any(self.io_params.values()):
+        if not any(e.quantized for encodings in self.io_encodings.values() for e in encodings.values()):
             return None
-        return {method: quant_io.planning_pass(*self._positions(method)) for method in self.graphs}
+        return {method: native_io.planning_pass(*self._positions(method)) for method in self.graphs}
 
     def _to_edge(self, graphs: dict, spec):
         from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
@@ -189,7 +208,7 @@ class QnnShardLowering:
             pass_manager = get_qnn_pass_manager_cls()()
             programs[method] = pass_manager.transform_for_export_pipeline(exported)
             job = pass_manager.get_capture_program_passes()
-            if self.io_params[method]:  # the QNN graph takes and gives these tensors quantized
+            if any(self._positions(method)):  # the QNN graph takes and gives these tensors quantized
                 from executorch.backends.qualcomm._passes import TagQuantIO
                 from executorch.backends.qualcomm.utils.constants import (
                     QCOM_PASS_ACTIVATE_KEY,
@@ -198,7 +217,7 @@ class QnnShardLowering:
 
                 user_inputs = list(exported.graph_signature.user_inputs)
                 job[TagQuantIO][QCOM_PASS_ACTIVATE_KEY] = True
-                job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = quant_io.tag_function(
+                job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = native_io.tag_function(
                     user_inputs, *self._positions(method)
                 )
             passes[method] = pass_manager.get_to_edge_transform_passes(
@@ -301,26 +320,26 @@ class QnnShards:
                     else:
                         key = (name.split("_")[0], name.split(".")[1])  # ("k" | "v", layer)
                     groups.setdefault(key, []).append(observer)
-        quant_io.share_ranges(list(groups.values()))
+        native_io.share_ranges(list(groups.values()))
 
     def lower(self, index: int) -> None:
         job = self.jobs.pop(index)  # the prepared graphs go once lowered
         edge, notes, twin = job.lower()
-        self.lowered[index] = (edge, notes, twin, job.io_params, job.planning())
+        self.lowered[index] = (edge, notes, twin, job.io_encodings, job.planning())
 
     def finish(self, io_names: dict[int, dict[str, tuple]]) -> tuple[dict[int, tuple], dict]:
         """io_names: shard index -> method -> (its inputs' names, its outputs' names). -> ({shard index:
-        (LoweredShard, own spill-fill bytes, SQNR per method and output, quantized I/O parameters
-        per method)}, the manifest's qnn summary)."""
+        (LoweredShard, own spill-fill bytes, SQNR per method and output, native I/O encodings per
+        method)}, the manifest's qnn summary)."""
         indices = sorted(self.lowered)
         shared, own = share_spill_fill([self.lowered[i][0] for i in indices])
         host = qnn_host.prepare()
         results = {}
         for index, own_bytes in zip(indices, own):
-            edge, notes, twin, io_params, planning = self.lowered.pop(index)
+            edge, notes, twin, io_encodings, planning = self.lowered.pop(index)
             shard = finish(edge, notes, planning)
-            measured = self.measure(twin or shard.buffer, index, io_names[index], io_params)
-            results[index] = (shard, own_bytes, measured, io_params)
+            measured = self.measure(twin or shard.buffer, index, io_names[index], io_encodings)
+            results[index] = (shard, own_bytes, measured, io_encodings)
         summary = {
             "build_id": host.build_id,
             "libraries": host.source,
@@ -330,25 +349,19 @@ class QnnShards:
         return results, summary
 
     def measure(
-        self, buffer: bytes, index: int, names: dict[str, tuple], io_params: dict
+        self, buffer: bytes, index: int, names: dict[str, tuple], io_encodings: dict
     ) -> dict[str, dict[str, float]]:
         """method -> output name -> SQNR (dB) of the lowered shard (its .pte bytes) against the float
-        shard, quantized I/O converted as the runners convert it."""
+        shard, native I/O converted as the runners convert it."""
         program = Runtime.get().load_program(buffer)
         result = {}
         for method in names:  # decode, then prefill, as the manifest lists methods
             inputs = self.held_out[index][method]
-            params = io_params.get(method) or {}
+            encodings = io_encodings.get(method) or {}
             input_names, output_names = names[method]
-            fed = [
-                params[("in", name)].quantize(t) if ("in", name) in params else t
-                for name, t in zip(input_names, inputs)
-            ]
+            fed = [convert(t, None, encodings.get(("in", name))) for name, t in zip(input_names, inputs)]
             actual = program.load_method(method).execute(fed)
-            actual = [
-                params[("out", name)].dequantize(t) if ("out", name) in params else t
-                for name, t in zip(output_names, actual)
-            ]
+            actual = [convert(t, encodings.get(("out", name)), None) for name, t in zip(output_names, actual)]
             with torch.no_grad():
                 expected = self.modules[index](*inputs)
             result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected, actual)}

@@ -14,8 +14,8 @@ from composite import manifest as manifest_schema
 from composite import qnn_host
 from composite.errors import UserError
 from composite.model.llama import cache_shapes
+from composite.runtime.encoding import Encoding, convert
 from composite.runtime.kv_cache import AttentionMask, KVCache
-from composite.runtime.quantized import QuantParams, convert
 
 # method name -> callable(list of input tensors) -> list of output tensors, one dict per shard
 ShardRunners = dict[str, Callable[[list], list]]
@@ -35,7 +35,7 @@ class Chain:
         hidden_encodings: list[dict] | None = None,
     ):
         """hidden_encodings: per shard, method -> (encoding of its hidden input, of its hidden
-        output), QuantParams or None for float32; None: all float32."""
+        output), Encoding or None for float32; None: all float32."""
         self.shards, self.runners, self.methods = shards, runners, dict(methods)
         self.hidden_encodings = hidden_encodings or [{m: (None, None) for m in methods} for _ in shards]
         self.max_seq_len, self.cache = max_seq_len, cache
@@ -148,7 +148,7 @@ def cache_encodings(shards: list[dict]) -> list[tuple]:
     for shard in shards:
         inputs = {t["name"]: t for t in shard["io"][manifest_schema.DECODE]["inputs"]}
         for layer in range(*shard["layers"]):
-            encodings.append((QuantParams.of(inputs[f"k_cache.{layer}"]), QuantParams.of(inputs[f"v_cache.{layer}"])))
+            encodings.append((Encoding.of(inputs[f"k_cache.{layer}"]), Encoding.of(inputs[f"v_cache.{layer}"])))
     return encodings
 
 
@@ -156,8 +156,8 @@ def hidden_encodings(shard: dict) -> dict:
     """method -> (encoding of the shard's hidden input, of its hidden output)."""
     return {
         method: (
-            None if shard["has_embedding"] else QuantParams.of(io["inputs"][0]),
-            None if shard["has_head"] else QuantParams.of(io["outputs"][0]),
+            None if shard["has_embedding"] else Encoding.of(io["inputs"][0]),
+            None if shard["has_head"] else Encoding.of(io["outputs"][0]),
         )
         for method, io in shard["io"].items()
     }

@@ -7,7 +7,7 @@ import torch
 
 class KVCache:
     """One k and one v tensor per layer, shaped as the manifest's kv_cache says, updated in place.
-    encodings: per layer, (k, v) QuantParams of a quantized cache, or None for float32."""
+    encodings: per layer, the (k, v) Encoding of its cache, or None for float32."""
 
     def __init__(self, n_layers: int, k_shape: list[int], v_shape: list[int], encodings: list | None = None):
         self.encodings = encodings or [(None, None)] * n_layers
@@ -19,7 +19,7 @@ class KVCache:
         # An empty slot holds zero: the zero point of a quantized cache.
         if encoding is None:
             return torch.zeros(shape, dtype=torch.float32)
-        return torch.full(shape, encoding.zero_point, dtype=encoding.dtype)
+        return torch.full(shape, encoding.empty_value, dtype=encoding.dtype)
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos: int, count: int) -> None:
         """Store the first `count` new entries (k [kv,hd,T], v [kv,T,hd]) at slots pos.. (new
@@ -29,8 +29,8 @@ class KVCache:
 
     def reset(self) -> None:
         for layer, (k, v) in enumerate(self.encodings):
-            self.k[layer].fill_(0 if k is None else k.zero_point)
-            self.v[layer].fill_(0 if v is None else v.zero_point)
+            self.k[layer].fill_(0 if k is None else k.empty_value)
+            self.v[layer].fill_(0 if v is None else v.empty_value)
 
 
 class AttentionMask:

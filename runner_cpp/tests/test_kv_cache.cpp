@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "encoding.h"
 #include "kv_cache.h"
 
 using composite::AttentionMask;
@@ -71,4 +72,35 @@ TEST(AttentionMask, CacheColumnsFollowThePositionAndOwnColumnsAreCausal) {
   }
   m = mask.at(1);  // going back hides again
   for (int c = 0; c < S; ++c) EXPECT_EQ(m[c], c < 1 ? 0.f : hidden);
+}
+
+TEST(Float16, RoundsToNearestEvenAsTorchDoes) {
+  // Expected bits from torch's float32 -> float16 conversion.
+  const std::vector<std::pair<float, uint16_t>> cases = {
+      {1.0f, 0x3c00},
+      {1.00048828125f, 0x3c00},  // a tie rounds to the even 0x3c00
+      {1.000732421875f, 0x3c01},
+      {1.00146484375f, 0x3c02},  // a tie rounds up to the even 0x3c02
+      {65504.f, 0x7bff},
+      {65519.f, 0x7bff},
+      {65520.f, 0x7c00},  // largest, then infinity
+      {1e-8f, 0x0000},
+      {2.9802322387695312e-08f, 0x0000},  // half the smallest subnormal: even 0
+      {5.960464477539063e-08f, 0x0001},
+      {8.940696716308594e-08f, 0x0002},  // 1.5 subnormals: even 2
+      {-3.14159f, 0xc248},
+      {6.1e-05f, 0x03ff},
+      {1e9f, 0x7c00},
+      {-0.f, 0x8000}};
+  for (const auto& [value, bits] : cases) EXPECT_EQ(composite::half_from_float(value), bits) << value;
+}
+
+TEST(Float16, EveryFiniteHalfSurvivesTheRoundTrip) {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    if ((bits & 0x7c00) == 0x7c00) continue;  // infinities and NaNs
+    const uint16_t half = static_cast<uint16_t>(bits);
+    EXPECT_EQ(composite::half_from_float(composite::float_from_half(half)), half) << bits;
+  }
+  EXPECT_EQ(composite::float_from_half(0x0001), 5.960464477539063e-08f);
+  EXPECT_EQ(composite::float_from_half(0xc248), -3.140625f);
 }

@@ -1,7 +1,11 @@
-"""Quantized I/O for quantized QNN shards: hidden states and KV caches cross the graph boundary as
-uint16 (16-bit activations) or uint8 (8-bit), not float32.
+"""Native I/O for QNN shards: hidden states and KV caches cross the graph boundary in the shard's
+own activation dtype, not float32: float16 for fp16 shards, uint16 for 16-bit activations, uint8
+for 8-bit. The mask, positions and logits stay as they are.
 
-Three steps, in the order an export meets them:
+fp16: `HalfIO` runs the HTP form in float16 and takes the float32 mask, casting it in the graph;
+a head's logits are cast back to float32.
+
+Quantized precisions, three steps, in the order an export meets them:
 1. After calibration, `share_ranges` gives every group of I/O observers that must agree one range,
    so convert_pt2e gives them one scale and zero point: a layer's cache input and its new-entry
    output in every method (the runner copies new entries into the cache as they are), and the
@@ -13,24 +17,42 @@ Three steps, in the order an export meets them:
 3. `QuantizedIoPlanning` writes those dtypes into the program's I/O tensors. ExecuTorch's own
    BuildQuantIo pass cannot: later passes re-trace the delegate's float graph with the new dtypes.
 
-The runners convert only where a quantized tensor meets a float one (a QNN shard next to a CPU
-shard), as composite/runtime/quantized.py says.
+The runners convert only where one encoding meets another (a QNN shard next to a CPU shard), as
+composite/runtime/encoding.py says.
 """
 
 from __future__ import annotations
 
 import torch
 
-from composite.runtime.quantized import QuantParams
+from composite.runtime.encoding import Encoding
 
-# The I/O a quantized QNN shard takes and gives quantized, by name; positions, mask and logits stay
-# as they are (int64, float32).
-QUANTIZED_NAMES = ("hidden", "k_cache.", "v_cache.", "k_new.", "v_new.")
+# The I/O a QNN shard takes and gives in its own dtype, by name; positions, mask and logits stay as
+# they are (int64, float32).
+NATIVE_NAMES = ("hidden", "k_cache.", "v_cache.", "k_new.", "v_new.")
 DTYPE_BY_QMAX = {255: torch.uint8, 65535: torch.uint16}
 
 
-def is_quantized_name(name: str) -> bool:
-    return name == "hidden" or name.startswith(QUANTIZED_NAMES[1:])
+def is_native_name(name: str) -> bool:
+    return name == "hidden" or name.startswith(NATIVE_NAMES[1:])
+
+
+class HalfIO(torch.nn.Module):
+    """A shard in float16 that takes the runner's float32 mask and gives float32 logits."""
+
+    def __init__(self, shard: torch.nn.Module, has_head: bool):
+        super().__init__()
+        self.shard, self.has_head = shard.half(), has_head
+
+    def forward(self, x, *inputs):
+        inputs = [t.to(torch.float16) if t.dtype == torch.float32 else t for t in inputs]  # the mask
+        outputs = self.shard(x, *inputs)
+        return (outputs[0].float(), *outputs[1:]) if self.has_head else outputs
+
+
+def half_inputs(names: list[str], inputs: tuple) -> tuple:
+    """The example inputs of a HalfIO shard: its native inputs in float16."""
+    return tuple(t.half() if is_native_name(n) else t for n, t in zip(names, inputs))
 
 
 def _observer_node(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -43,14 +65,14 @@ def io_observers(prepared: torch.fx.GraphModule, input_names: list[str], output_
     found = {}
     placeholders = [n for n in prepared.graph.nodes if n.op == "placeholder"]
     for name, node in zip(input_names, placeholders):
-        if not is_quantized_name(name):
+        if not is_native_name(name):
             continue
         observers = [u for u in node.users if _observer_node(u)]
         if observers:
             found[("in", name)] = prepared.get_submodule(observers[0].target)
     output = next(n for n in prepared.graph.nodes if n.op == "output")
     for name, node in zip(output_names, output.args[0]):
-        if is_quantized_name(name) and _observer_node(node):
+        if is_native_name(name) and _observer_node(node):
             found[("out", name)] = prepared.get_submodule(node.target)
     return found
 
@@ -71,25 +93,25 @@ def share_ranges(groups: list[list]) -> None:
 
 
 def read_params(converted: torch.fx.GraphModule, input_names: list[str], output_names: list[str]) -> dict:
-    """("in" | "out", name) -> QuantParams of each quantized I/O tensor of a convert_pt2e graph."""
+    """("in" | "out", name) -> Encoding of each quantized I/O tensor of a convert_pt2e graph."""
     params = {}
 
-    def from_node(node: torch.fx.Node) -> QuantParams | None:
+    def from_node(node: torch.fx.Node) -> Encoding | None:
         if "quantize_per_tensor" not in str(node.target):
             return None
         _, scale, zero_point, _, quant_max, *_ = node.args
         dtype = DTYPE_BY_QMAX.get(int(quant_max))
-        return None if dtype is None else QuantParams(dtype, float(scale), int(zero_point))
+        return None if dtype is None else Encoding(dtype, float(scale), int(zero_point))
 
     placeholders = [n for n in converted.graph.nodes if n.op == "placeholder"]
     for name, node in zip(input_names, placeholders):
-        if is_quantized_name(name):
+        if is_native_name(name):
             found = [p for u in node.users if (p := from_node(u)) is not None]
             if found:
                 params[("in", name)] = found[0]
     output = next(n for n in converted.graph.nodes if n.op == "output")
     for name, node in zip(output_names, output.args[0]):
-        if is_quantized_name(name) and (p := from_node(node)) is not None:
+        if is_native_name(name) and (p := from_node(node)) is not None:
             params[("out", name)] = p
     return params
 

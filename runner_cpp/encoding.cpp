@@ -1,12 +1,57 @@
-#include "quantized.h"
+#include "encoding.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 // Plain loops the compiler vectorizes. Built with -ffp-contract=off (CMakeLists.txt): a fused
 // multiply-add would round differently from the Python runner's two float32 operations.
 
 namespace composite {
+
+uint16_t half_from_float(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t biased = (bits >> 23) & 0xffu;
+  uint32_t mantissa = bits & 0x7fffffu;
+  if (biased == 0xffu) return sign | 0x7c00u | (mantissa ? 0x200u : 0u);  // infinity, NaN
+  const int exponent = static_cast<int>(biased) - 127 + 15;               // in binary16's bias
+  if (exponent >= 31) return sign | 0x7c00u;                              // beyond binary16: infinity
+  uint32_t significand, rest, halfway;
+  if (exponent <= 0) {  // a binary16 subnormal: k * 2^-24
+    if (exponent < -10) return sign;
+    mantissa |= 0x800000u;  // the implicit leading one
+    const int shift = 14 - exponent;
+    significand = mantissa >> shift;
+    rest = mantissa & ((1u << shift) - 1);
+    halfway = 1u << (shift - 1);
+  } else {
+    significand = (static_cast<uint32_t>(exponent) << 10) | (mantissa >> 13);
+    rest = mantissa & 0x1fffu;
+    halfway = 0x1000u;
+  }
+  if (rest > halfway || (rest == halfway && (significand & 1u))) ++significand;  // may carry up to infinity
+  return static_cast<uint16_t>(sign | significand);
+}
+
+float float_from_half(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16;
+  const uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent == 0) {  // zero or subnormal: exact in float32
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  } else {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
 
 namespace {
 
@@ -34,6 +79,9 @@ void to_float(const void* source, const Encoding& from, float* x, size_t n) {
     case Encoding::Kind::Float32:
       std::copy_n(static_cast<const float*>(source), n, x);
       break;
+    case Encoding::Kind::Float16:
+      for (size_t i = 0; i < n; ++i) x[i] = float_from_half(static_cast<const uint16_t*>(source)[i]);
+      break;
     case Encoding::Kind::UInt8:
       dequantize(static_cast<const uint8_t*>(source), from, x, n);
       break;
@@ -48,6 +96,9 @@ void from_float(const float* x, const Encoding& to, void* target, size_t n) {
     case Encoding::Kind::Float32:
       std::copy_n(x, n, static_cast<float*>(target));
       break;
+    case Encoding::Kind::Float16:
+      for (size_t i = 0; i < n; ++i) static_cast<uint16_t*>(target)[i] = half_from_float(x[i]);
+      break;
     case Encoding::Kind::UInt8:
       quantize(x, to, static_cast<uint8_t*>(target), n);
       break;
@@ -61,6 +112,7 @@ void from_float(const float* x, const Encoding& to, void* target, size_t n) {
 
 Encoding Encoding::of(const TensorDesc& desc) {
   Encoding e;
+  if (desc.dtype == "float16") e.kind = Kind::Float16;
   if (desc.dtype == "uint8" || desc.dtype == "uint16") {
     e.kind = desc.dtype == "uint8" ? Kind::UInt8 : Kind::UInt16;
     e.scale = static_cast<float>(desc.scale);
@@ -85,6 +137,9 @@ void fill_zero(void* target, const Encoding& encoding, size_t n) {
   switch (encoding.kind) {
     case Encoding::Kind::Float32:
       std::fill_n(static_cast<float*>(target), n, 0.f);
+      break;
+    case Encoding::Kind::Float16:
+      std::fill_n(static_cast<uint16_t*>(target), n, static_cast<uint16_t>(0));
       break;
     case Encoding::Kind::UInt8:
       std::fill_n(static_cast<uint8_t*>(target), n, static_cast<uint8_t>(encoding.zero_point));
