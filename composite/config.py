@@ -30,6 +30,7 @@ from composite.errors import UserError
 
 BACKENDS = ("xnnpack", "portable", "qnn")
 XNNPACK_QUANTIZE = ("none", "8da4w")
+XNNPACK_ATTENTION = ("graph", "kernel")
 QNN_SOCS = ("SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
 QNN_PRECISIONS = ("fp16", "16a4w", "16a8w", "8a8w", "16a16w")
 
@@ -48,7 +49,7 @@ TOP_LEVEL_KEYS = (
     "output",
 )
 BACKEND_OPTION_KEYS = {
-    "xnnpack": ("quantize", "group_size"),
+    "xnnpack": ("quantize", "group_size", "attention"),
     "portable": (),
     "qnn": (
         "soc",
@@ -62,7 +63,7 @@ BACKEND_OPTION_KEYS = {
     ),
 }
 DEFAULT_OPTIONS = {
-    "xnnpack": {"quantize": "none", "group_size": 32},
+    "xnnpack": {"quantize": "none", "group_size": 32, "attention": "graph"},
     "portable": {},
     # weight_sharing: decode and prefill share one copy of the weights in the shard's QNN context.
     # The phone loads such a context; the x86 HTP simulator cannot, so exports to run on this host
@@ -179,6 +180,10 @@ def _check_backend_options(backend: str, options: dict, where: str) -> None:
         if options["quantize"] not in XNNPACK_QUANTIZE:
             raise UserError(
                 f"{where}: xnnpack quantize must be one of {', '.join(XNNPACK_QUANTIZE)}, got {options['quantize']!r}"
+            )
+        if options["attention"] not in XNNPACK_ATTENTION:
+            raise UserError(
+                f"{where}: xnnpack attention must be one of {', '.join(XNNPACK_ATTENTION)}, got {options['attention']!r}"
             )
         size = options["group_size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -330,6 +335,8 @@ def config_from_flags(args) -> ExportConfig:
         config.xnnpack["quantize"] = args.quantize
     if args.group_size is not None:
         config.xnnpack["group_size"] = args.group_size
+    if args.attention is not None:
+        config.xnnpack["attention"] = args.attention
     if args.no_weight_sharing:
         config.qnn["weight_sharing"] = False
     config.placements()

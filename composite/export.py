@@ -58,6 +58,12 @@ def parse_args(argv):
     p.add_argument("--quantize", choices=["none", "8da4w"], help="XNNPACK weight quantization")
     p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
     p.add_argument(
+        "--attention",
+        choices=["graph", "kernel"],
+        help="XNNPACK shards' attention: masked matmuls over every cache slot in the graph (default), or "
+        "composite::attention over the valid slots",
+    )
+    p.add_argument(
         "--embedding-quantize",
         help="quantize the embedding table: BITS,GROUP, e.g. 8,0 (8-bit, a scale per row) or 4,32 (default none)",
     )

@@ -40,7 +40,8 @@ tools (the runners ignore it). Every key is written by every export unless marke
      "placement": {"backend": str, "options": {...}},
      "backends": [backend id],   # the delegates present (read from the program)   [R: C++, optional]
      "delegates": {method: {backend id: count}},
-     "cpu_ops": {method: [operator names]},     # run by ExecuTorch's CPU kernels
+     "cpu_ops": {method: [operator names]},     # run by ExecuTorch's CPU kernels   [R: optional]
+                                 # (runners refuse an export whose operator has no kernel)
      "io": {method: {"inputs": [{"name","shape","dtype"}], "outputs": [...]}},    [R]
                                  # dtype float32|float16|int64|int32|uint8|uint16; a uint8/uint16
                                  # tensor also has "quant": {"scale": float > 0, "zero_point": int}
@@ -465,6 +466,13 @@ def parse(text: str, folder: str) -> dict:
                 raise UserError(f"{sw} 'backends' must be a list of names")
             for backend in shard["backends"]:
                 _text(backend, f"{sw} 'backends'")
+        if "cpu_ops" in shard:
+            ops = shard["cpu_ops"]
+            if not isinstance(ops, dict) or not all(isinstance(v, list) for v in ops.values()):
+                raise UserError(f"{sw} 'cpu_ops' must map methods to lists of operator names")
+            for name in sorted(ops):
+                for op in ops[name]:
+                    _text(op, f"{sw} 'cpu_ops'")
         if "weight_sharing" in shard:
             _boolean(shard["weight_sharing"], f"{sw} 'weight_sharing'")
         io = _require(shard, "io", sw)

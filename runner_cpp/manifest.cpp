@@ -10,6 +10,7 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "error.h"
@@ -302,6 +303,16 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
         const json& backends = s.at("backends");
         if (!backends.is_array()) throw RunnerError(sw + " 'backends' must be a list of names");
         for (const json& b : backends) info.backends.push_back(as_text(b, sw + " 'backends'"));
+      }
+      if (s.contains("cpu_ops")) {
+        const json& ops = s.at("cpu_ops");
+        if (!ops.is_object()) throw RunnerError(sw + " 'cpu_ops' must map methods to lists of operator names");
+        std::set<std::string> names;
+        for (const auto& [method, list] : ops.items()) {
+          if (!list.is_array()) throw RunnerError(sw + " 'cpu_ops' must map methods to lists of operator names");
+          for (const json& op : list) names.insert(as_text(op, sw + " 'cpu_ops'"));
+        }
+        info.cpu_ops.assign(names.begin(), names.end());
       }
       if (s.contains("weight_sharing"))
         info.weight_sharing = as_boolean(s.at("weight_sharing"), sw + " 'weight_sharing'");

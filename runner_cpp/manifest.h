@@ -38,6 +38,7 @@ struct ShardInfo {
   bool has_embedding = false;
   bool has_head = false;
   std::vector<std::string> backends;
+  std::vector<std::string> cpu_ops;    // operators its methods run on ExecuTorch's CPU kernels, sorted
   bool weight_sharing = false;         // QNN: decode and prefill share one copy of the weights (device only)
   std::map<std::string, MethodIO> io;  // method name -> I/O
   bool has_layers() const { return layer_end > layer_first; }

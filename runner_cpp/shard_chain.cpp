@@ -1,7 +1,10 @@
 #include "shard_chain.h"
 
+#include <executorch/runtime/kernel/operator_registry.h>
+
 #include <algorithm>
 #include <chrono>
+#include <set>
 #include <utility>
 
 #include "error.h"
@@ -138,7 +141,15 @@ ShardChain::ShardChain(Manifest manifest)
       c.tensor = wrap(c.buffer.data(), wanted.shape, scalar_type(c.to));
     }
   }
+  std::set<std::string> registered;  // asked of the registry quietly: a lookup that fails logs an error
+  for (const auto& kernel : executorch::runtime::get_registered_kernels()) registered.insert(kernel.name_);
   for (const ShardInfo& shard : m.shards) {
+    for (const std::string& op : shard.cpu_ops) {
+      if (!registered.count(op)) {
+        throw RunnerError("shard " + std::to_string(shard.index) + " runs operator " + op +
+                          ", which this runtime has no kernel for");
+      }
+    }
     auto module = std::make_unique<Module>(m.path_of(shard.file), Module::LoadMode::Mmap);
     if (module->load() != Error::Ok) {
       throw RunnerError("shard " + std::to_string(shard.index) + ": ExecuTorch cannot load " + m.path_of(shard.file) +

@@ -45,10 +45,11 @@ def hf_model(workdir, default_tokenizer):
     return model, folder
 
 
-@pytest.fixture(scope="session")
-def hf_export(workdir, hf_model, default_tokenizer):
+@pytest.fixture(scope="session", params=["graph", "kernel"])
+def hf_export(request, workdir, hf_model, default_tokenizer):
+    """Exported with either attention of the XNNPACK shards (composite::attention for "kernel")."""
     _, folder = hf_model
-    out = workdir / "hf_export"
+    out = workdir / f"hf_export_{request.param}"
     run_cli(
         "composite.export",
         "--checkpoint",
@@ -61,6 +62,8 @@ def hf_export(workdir, hf_model, default_tokenizer):
         str(MAX_SEQ_LEN),
         "--prefill-len",
         str(PREFILL_LEN),
+        "--attention",
+        request.param,
         "--output",
         str(out),
         check=True,

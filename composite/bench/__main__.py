@@ -62,6 +62,7 @@ def parse_args(argv):
     p.add_argument("--quant", default="fp32", help="fp32 and/or 8da4w (default fp32)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved runs per configuration (default 5)")
     p.add_argument("--prefill-len", type=int, default=64, help="tokens per prefill call of our shards (default 64)")
+    p.add_argument("--attention", default="graph", help="our XNNPACK attention: graph and/or kernel (default graph)")
     p.add_argument("--no-peer", action="store_true", help="skip ExecuTorch's llama (ours only)")
     p.add_argument("--runner", default="build/composite_runner", help="composite_runner binary")
     p.add_argument("--work", default=None, help="export cache (default ~/.cache/composite/bench)")
@@ -110,16 +111,16 @@ def export_peer(paths: dict, dims: Dims, quant: str, work: Path) -> Config:
     return Config(f"peer {quant}", "peer", quant, 1, pte, seconds, pte.stat().st_size)
 
 
-def export_ours(paths: dict, dims: Dims, quant: str, shards: int, prefill_len: int, work: Path) -> Config:
-    folder = work / f"ours_{shards}_{quant}_p{prefill_len}"
+def export_ours(paths: dict, dims: Dims, quant: str, shards: int, prefill_len: int, attention: str, work: Path) -> Config:
+    folder = work / f"ours_{shards}_{quant}_p{prefill_len}_{attention}"
     artifacts = folder / "artifacts"
-    key = {"dims": dims.__dict__, "quant": quant, "shards": shards, "prefill_len": prefill_len,
+    key = {"dims": dims.__dict__, "quant": quant, "shards": shards, "prefill_len": prefill_len, "attention": attention,
            "composite": _composite_fingerprint(), "executorch": _executorch_version()}
     command = [
         sys.executable, "-m", "composite.export", "--checkpoint", str(paths["consolidated.00.pth"]),
         "--params", str(paths["params.json"]), "--tokenizer", str(paths["tokenizer.model"]),
         "--shards", str(shards), "--placement", "xnnpack", "--max-seq-len", str(dims.max_seq_len),
-        "--prefill-len", str(prefill_len), "--quantize", "none" if quant == "fp32" else "8da4w",
+        "--prefill-len", str(prefill_len), "--quantize", "none" if quant == "fp32" else "8da4w", "--attention", attention,
         "--output", str(artifacts),
     ]
 
@@ -134,7 +135,8 @@ def export_ours(paths: dict, dims: Dims, quant: str, shards: int, prefill_len: i
     seconds = _cached(folder, key, build)
     manifest = json.loads((artifacts / "manifest.json").read_text())
     size = sum(s["size"] for s in manifest["shards"])
-    return Config(f"ours {shards} {quant}", "ours", quant, shards, artifacts, seconds, size)
+    name = f"ours {shards} {quant}" + (" kernel" if attention == "kernel" else "")
+    return Config(name, "ours", quant, shards, artifacts, seconds, size)
 
 
 def run_once(config: Config, paths: dict, dims: Dims, runner: Path, out_dir: Path, repeat: int) -> dict:
@@ -236,6 +238,7 @@ def main(argv=None) -> None:
     dims = DIMS[args.dims]
     shard_counts = _csv(args.shards, int, flag="--shards")
     quants = _csv(args.quant, str, QUANTS, flag="--quant")
+    attentions = _csv(args.attention, str, ("graph", "kernel"), flag="--attention")
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
     runner = Path(args.runner)
@@ -251,7 +254,8 @@ def main(argv=None) -> None:
         if not args.no_peer:
             configs.append(export_peer(paths, dims, quant, work))
         for shards in shard_counts:
-            configs.append(export_ours(paths, dims, quant, shards, args.prefill_len, work))
+            for attention in attentions:
+                configs.append(export_ours(paths, dims, quant, shards, args.prefill_len, attention, work))
 
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for repeat in range(args.repeats):

@@ -1,8 +1,13 @@
-"""XNNPACK: fp32, or 8-bit dynamic activations with 4-bit grouped weights (8da4w, torchao)."""
+"""XNNPACK: fp32, or 8-bit dynamic activations with 4-bit grouped weights (8da4w, torchao).
+
+Attention either stays in the graph as masked matmuls over every cache slot (`attention: graph`)
+or runs in our composite::attention kernel, which reads only the valid slots (`attention: kernel`,
+composite/ops/attention.py); the projections around it stay with XNNPACK."""
 
 from __future__ import annotations
 
 import copy
+import math
 import sys
 
 import torch
@@ -12,7 +17,7 @@ from torch import nn
 
 from composite.errors import UserError
 from composite.lowering.program import export_methods
-from composite.model.llama import RMSNorm
+from composite.model.llama import Attention, RMSNorm
 
 
 class XnnpackRMSNorm(nn.Module):
@@ -31,13 +36,39 @@ class XnnpackRMSNorm(nn.Module):
         return x * torch.rsqrt((x * x) @ self.mean_column + self.eps) * self.weight
 
 
-def xnnpack_form(module: nn.Module) -> nn.Module:
-    """A copy of `module` with XNNPACK-friendly norms; parameters are shared, not copied."""
+class KernelAttention(nn.Module):
+    """Attention.forward with scores, softmax and values in composite::attention (same I/O)."""
+
+    def __init__(self, attention: Attention):
+        super().__init__()
+        import composite.ops.attention  # noqa: F401  (defines torch.ops.composite.attention)
+
+        self.n_heads, self.n_kv_heads, self.head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+        self.wq, self.wk, self.wv, self.wo = attention.wq, attention.wk, attention.wv, attention.wo
+        self._project = attention._project
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache):
+        b, t, _ = x.shape
+        kv, hd = self.n_kv_heads, self.head_dim
+        q, k, v = self._project(x, cos, sin)
+        q = q.reshape(kv, self.n_heads // kv * t, hd) * (1.0 / math.sqrt(hd))
+        k_new = k.reshape(kv, t, hd).transpose(1, 2)  # [kv, hd, t]
+        v_new = v.reshape(kv, t, hd)
+        out = torch.ops.composite.attention(q, k_cache, v_cache, k_new, v_new, mask)
+        out = out.view(b, self.n_heads, t, hd).transpose(1, 2).reshape(b, t, self.n_heads * hd)
+        return self.wo(out), k_new, v_new
+
+
+def xnnpack_form(module: nn.Module, attention: str = "graph") -> nn.Module:
+    """A copy of `module` with XNNPACK-friendly norms and, with attention "kernel", our attention
+    operator; parameters are shared, not copied."""
     module = copy.deepcopy(module, memo={id(p): p for p in module.parameters()})
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
                 setattr(parent, name, XnnpackRMSNorm(child))
+            elif isinstance(child, Attention) and attention == "kernel":
+                setattr(parent, name, KernelAttention(child))
     return module
 
 
@@ -77,7 +108,7 @@ def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.M
 
 def lower(module, example_inputs: dict, options: dict):
     notes = []
-    module = xnnpack_form(module)
+    module = xnnpack_form(module, options.get("attention", "graph"))
     if options.get("quantize") == "8da4w":
         module, notes = quantize_8da4w(module, options["group_size"])
     edge = to_edge_transform_and_lower(export_methods(module, example_inputs), partitioner=[XnnpackPartitioner()])

@@ -111,6 +111,11 @@ class ShardChain(Chain):
         if any(op.startswith("quantized_decomposed::") for op in cpu_ops):
             # A quantized embedding: ExecuTorch's Python runtime registers those kernels on import.
             import executorch.kernels.quantized  # noqa: F401
+        if any(op.startswith("composite::") for op in cpu_ops):
+            from composite.ops.attention import load_kernels
+
+            load_kernels()
+        check_operators(self.manifest["shards"])
         runtime = Runtime.get()
         started = time.perf_counter()
         runners = []
@@ -140,6 +145,18 @@ class ShardChain(Chain):
             self.manifest["mask"]["hidden"],
             [hidden_encodings(shard) for shard in shards],
         )
+
+
+def check_operators(shards: list[dict]) -> None:
+    """Every operator a shard runs on ExecuTorch's CPU kernels is registered, or one line names it
+    (composite_runner checks the same)."""
+    from executorch.extension.pybindings.portable_lib import _get_operator_names
+
+    registered = set(_get_operator_names())
+    for shard in shards:
+        for op in sorted({op for ops in shard.get("cpu_ops", {}).values() for op in ops}):
+            if op not in registered:
+                raise UserError(f"shard {shard['index']} runs operator {op}, which this runtime has no kernel for")
 
 
 def cache_encodings(shards: list[dict]) -> list[tuple]:

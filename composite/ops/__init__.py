@@ -1,0 +1,1 @@
+"""Operators of our own that ExecuTorch runs with kernels of our own (runner_cpp/kernels/)."""
