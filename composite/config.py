@@ -63,7 +63,8 @@ BACKEND_OPTION_KEYS = {
     ),
 }
 DEFAULT_OPTIONS = {
-    "xnnpack": {"quantize": "none", "group_size": 32, "attention": "graph"},
+    # attention: "kernel" = composite::attention in the decode method (composite/ops/attention.py)
+    "xnnpack": {"quantize": "none", "group_size": 32, "attention": "kernel"},
     "portable": {},
     # weight_sharing: decode and prefill share one copy of the weights in the shard's QNN context.
     # The phone loads such a context; the x86 HTP simulator cannot, so exports to run on this host

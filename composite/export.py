@@ -60,8 +60,8 @@ def parse_args(argv):
     p.add_argument(
         "--attention",
         choices=["graph", "kernel"],
-        help="XNNPACK shards' attention: masked matmuls over every cache slot in the graph (default), or "
-        "composite::attention over the valid slots",
+        help="XNNPACK shards' decode attention: composite::attention over the valid cache slots (kernel, the "
+        "default), or masked matmuls over every slot in the graph",
     )
     p.add_argument(
         "--embedding-quantize",

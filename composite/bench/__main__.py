@@ -62,7 +62,7 @@ def parse_args(argv):
     p.add_argument("--quant", default="fp32", help="fp32 and/or 8da4w (default fp32)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved runs per configuration (default 5)")
     p.add_argument("--prefill-len", type=int, default=64, help="tokens per prefill call of our shards (default 64)")
-    p.add_argument("--attention", default="graph", help="our XNNPACK attention: graph and/or kernel (default graph)")
+    p.add_argument("--attention", default="kernel", help="our XNNPACK attention: kernel and/or graph (default kernel)")
     p.add_argument("--no-peer", action="store_true", help="skip ExecuTorch's llama (ours only)")
     p.add_argument("--runner", default="build/composite_runner", help="composite_runner binary")
     p.add_argument("--work", default=None, help="export cache (default ~/.cache/composite/bench)")
@@ -135,7 +135,7 @@ def export_ours(paths: dict, dims: Dims, quant: str, shards: int, prefill_len: i
     seconds = _cached(folder, key, build)
     manifest = json.loads((artifacts / "manifest.json").read_text())
     size = sum(s["size"] for s in manifest["shards"])
-    name = f"ours {shards} {quant}" + (" kernel" if attention == "kernel" else "")
+    name = f"ours {shards} {quant}" + (" graph" if attention == "graph" else "")
     return Config(name, "ours", quant, shards, artifacts, seconds, size)
 
 

@@ -1,8 +1,9 @@
 """XNNPACK: fp32, or 8-bit dynamic activations with 4-bit grouped weights (8da4w, torchao).
 
-Attention either stays in the graph as masked matmuls over every cache slot (`attention: graph`)
-or runs in our composite::attention kernel, which reads only the valid slots (`attention: kernel`,
-composite/ops/attention.py); the projections around it stay with XNNPACK."""
+Decode attention runs in our composite::attention kernel, which reads only the valid cache slots
+(`attention: kernel`, the default; composite/ops/attention.py), with the projections around it in
+XNNPACK; or it stays in the graph as masked matmuls over every slot (`attention: graph`). Prefill
+keeps the graph's batched matmuls either way."""
 
 from __future__ import annotations
 
@@ -107,11 +108,21 @@ def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.M
 
 
 def lower(module, example_inputs: dict, options: dict):
+    """With attention "kernel", the one-token method (decode) calls composite::attention; wider
+    methods (prefill) keep the graph's batched matmuls, which XNNPACK runs faster over many rows.
+    Both forms hold the same weights, which the program stores once."""
+    forms = {"graph": xnnpack_form(module, "graph")}
+    if options.get("attention") == "kernel":
+        forms["kernel"] = xnnpack_form(module, "kernel")
     notes = []
-    module = xnnpack_form(module, options.get("attention", "graph"))
     if options.get("quantize") == "8da4w":
-        module, notes = quantize_8da4w(module, options["group_size"])
-    edge = to_edge_transform_and_lower(export_methods(module, example_inputs), partitioner=[XnnpackPartitioner()])
+        for name in forms:
+            forms[name], notes = quantize_8da4w(forms[name], options["group_size"])
+    exported = {}
+    for method, inputs in example_inputs.items():
+        form = forms["kernel"] if "kernel" in forms and inputs[0].shape[1] == 1 else forms["graph"]
+        exported.update(export_methods(form, {method: inputs}))
+    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     return edge, notes
 
 
