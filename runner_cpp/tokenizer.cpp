@@ -326,9 +326,40 @@ std::string Utf8Stream::finish() {
   return out;
 }
 
+// Well-formed UTF-8 as RFC 3629 defines it: no overlong forms, no surrogates, nothing past
+// U+10FFFF. PCRE2 matches without re-checking (PCRE2_NO_UTF_CHECK), so this is its guard.
 bool valid_utf8(const std::string& text) {
-  Utf8Stream stream;
-  return stream.push(text) + stream.finish() == text;
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char lead = static_cast<unsigned char>(text[i]);
+    if (lead < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t extra = 0;
+    unsigned char low = 0x80, high = 0xBF;  // the range of the second byte
+    if (lead >= 0xC2 && lead <= 0xDF) {
+      extra = 1;
+    } else if (lead >= 0xE0 && lead <= 0xEF) {
+      extra = 2;
+      if (lead == 0xE0) low = 0xA0;   // overlong
+      if (lead == 0xED) high = 0x9F;  // surrogates
+    } else if (lead >= 0xF0 && lead <= 0xF4) {
+      extra = 3;
+      if (lead == 0xF0) low = 0x90;   // overlong
+      if (lead == 0xF4) high = 0x8F;  // beyond U+10FFFF
+    } else {
+      return false;
+    }
+    if (n - i <= extra) return false;
+    const unsigned char second = static_cast<unsigned char>(text[i + 1]);
+    if (second < low || second > high) return false;
+    for (size_t k = 2; k <= extra; ++k) {
+      if ((static_cast<unsigned char>(text[i + k]) & 0xC0) != 0x80) return false;
+    }
+    i += extra + 1;
+  }
+  return true;
 }
 
 std::string decode(const Tokenizer& tokenizer, const std::vector<int64_t>& tokens, int64_t previous) {

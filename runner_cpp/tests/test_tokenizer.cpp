@@ -17,6 +17,18 @@ TEST(Utf8Stream, HoldsBackACharacterSplitAcrossTokens) {
   EXPECT_EQ(stream.finish(), "");
 }
 
+TEST(Utf8, AcceptsWellFormedTextOnly) {
+  for (const std::string good : {"", "plain", "\xC3\xA9", "\xE2\x82\xAC", "\xF0\x9F\x99\x82", "\xF4\x8F\xBF\xBF"}) {
+    EXPECT_TRUE(composite::valid_utf8(good)) << good;
+  }
+  // beyond U+10FFFF (a fuzzer's find: PCRE2 matched it unchecked), surrogate, overlong forms,
+  // bytes no lead can be, and a character cut short
+  for (const std::string bad : {"On \xF4\xA9\x98\x80", "\xED\xA0\x80", "\xC0\xAF", "\xE0\x80\xAF", "\xF0\x8F\xBF\xBF",
+                                "\xF5\x80\x80\x80", "\xFF", "\x80", "\xE2\x82"}) {
+    EXPECT_FALSE(composite::valid_utf8(bad)) << bad;
+  }
+}
+
 TEST(Utf8Stream, ReplacesInvalidBytes) {
   Utf8Stream stream;
   EXPECT_EQ(stream.push("\xFF"
