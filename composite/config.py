@@ -9,7 +9,8 @@ YAML keys (all optional):
   placement                       backend per shard: one name for all, a list, or a mapping
                                   {default: xnnpack, 2: qnn}; list items may be mappings with
                                   per-shard options, e.g. {backend: xnnpack, quantize: 8da4w}
-  xnnpack: {quantize, group_size} defaults for XNNPACK shards (quantize: none | 8da4w)
+  xnnpack: {quantize, dtype, ...} defaults for XNNPACK shards (quantize: none | 8da4w | 8da8w;
+                                  dtype: fp32 | fp16; group_size; attention: kernel | graph)
   qnn: {soc, precision, ...}      defaults for QNN shards (weight_sharing: true by default; the
                                   x86 simulator needs false, as --no-weight-sharing sets)
   embedding_quantize              "none" (default), "8,0" (8-bit, a scale per row) or "4,32"
@@ -29,7 +30,8 @@ import yaml
 from composite.errors import UserError
 
 BACKENDS = ("xnnpack", "portable", "qnn")
-XNNPACK_QUANTIZE = ("none", "8da4w")
+XNNPACK_QUANTIZE = ("none", "8da4w", "8da8w")
+XNNPACK_DTYPES = ("fp32", "fp16")
 XNNPACK_ATTENTION = ("graph", "kernel")
 QNN_SOCS = ("SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
 QNN_PRECISIONS = ("fp16", "16a4w", "16a8w", "8a8w", "16a16w")
@@ -49,7 +51,7 @@ TOP_LEVEL_KEYS = (
     "output",
 )
 BACKEND_OPTION_KEYS = {
-    "xnnpack": ("quantize", "group_size", "attention"),
+    "xnnpack": ("quantize", "group_size", "dtype", "attention"),
     "portable": (),
     "qnn": (
         "soc",
@@ -64,7 +66,8 @@ BACKEND_OPTION_KEYS = {
 }
 DEFAULT_OPTIONS = {
     # attention: "kernel" = composite::attention in the decode method (composite/ops/attention.py)
-    "xnnpack": {"quantize": "none", "group_size": 32, "attention": "kernel"},
+    # dtype: fp16 = float16 weights, activations and native I/O (hidden state, KV cache)
+    "xnnpack": {"quantize": "none", "group_size": 32, "dtype": "fp32", "attention": "kernel"},
     "portable": {},
     # weight_sharing: decode and prefill share one copy of the weights in the shard's QNN context.
     # The phone loads such a context; the x86 HTP simulator cannot, so exports to run on this host
@@ -81,7 +84,11 @@ class Placement:
     options: dict = field(default_factory=dict, hash=False)
 
     def describe(self) -> str:
-        extras = [str(v) for k, v in self.options.items() if k in ("quantize", "precision") and v != "none"]
+        extras = [
+            str(v)
+            for k, v in self.options.items()
+            if (k in ("quantize", "precision") and v != "none") or (k == "dtype" and v != "fp32")
+        ]
         return "+".join([self.backend, *extras])
 
 
@@ -181,6 +188,15 @@ def _check_backend_options(backend: str, options: dict, where: str) -> None:
         if options["quantize"] not in XNNPACK_QUANTIZE:
             raise UserError(
                 f"{where}: xnnpack quantize must be one of {', '.join(XNNPACK_QUANTIZE)}, got {options['quantize']!r}"
+            )
+        if options["dtype"] not in XNNPACK_DTYPES:
+            raise UserError(
+                f"{where}: xnnpack dtype must be one of {', '.join(XNNPACK_DTYPES)}, got {options['dtype']!r}"
+            )
+        if options["dtype"] == "fp16" and options["quantize"] != "none":
+            raise UserError(
+                f"{where}: xnnpack dtype fp16 is for unquantized shards; {options['quantize']} shards compute in fp32 "
+                "(use quantize none with dtype fp16, or dtype fp32)"
             )
         if options["attention"] not in XNNPACK_ATTENTION:
             raise UserError(
@@ -338,6 +354,8 @@ def config_from_flags(args) -> ExportConfig:
         config.xnnpack["group_size"] = args.group_size
     if args.attention is not None:
         config.xnnpack["attention"] = args.attention
+    if args.dtype is not None:
+        config.xnnpack["dtype"] = args.dtype
     if args.no_weight_sharing:
         config.qnn["weight_sharing"] = False
     config.placements()

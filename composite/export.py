@@ -55,8 +55,17 @@ def parse_args(argv):
     p.add_argument("--tokenizer", help="tokenizer.model (SentencePiece or tiktoken) or tokenizer.json")
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default 512)")
     p.add_argument("--prefill-len", type=int, help="tokens per prefill call (default 64)")
-    p.add_argument("--quantize", choices=["none", "8da4w"], help="XNNPACK weight quantization")
+    p.add_argument(
+        "--quantize",
+        choices=["none", "8da4w", "8da8w"],
+        help="XNNPACK linears: 8-bit dynamic activations with int4 grouped (8da4w) or int8 per-channel (8da8w) weights",
+    )
     p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "fp16"],
+        help="XNNPACK shards' float dtype: weights, activations, hidden state and KV cache (default fp32)",
+    )
     p.add_argument(
         "--attention",
         choices=["graph", "kernel"],
@@ -115,10 +124,12 @@ def lower_all(
         if placement.backend == "qnn":
             qnn.lower(spec.index)  # written once all QNN shards share one spill-fill size
         else:
-            module, notes = lower_shard(modules[spec.index], examples[spec.index], placement)
+            module, notes, encodings = lower_shard(
+                modules[spec.index], examples[spec.index], names[spec.index], placement
+            )
             lowered = finish(module, notes + (embedding_notes if spec.has_embedding else []))
             entries[spec.index] = write_shard(
-                folder, spec, placement, lowered, io[spec.index], time.perf_counter() - started
+                folder, spec, placement, lowered, io[spec.index], time.perf_counter() - started, encodings
             )
         seconds[spec.index] = time.perf_counter() - started
     if qnn is None:

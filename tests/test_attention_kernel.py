@@ -59,6 +59,26 @@ def test_kernel_equals_the_reference(kernels_loaded, shape, t):
         assert worst <= 1e-5, f"{shape} T={t} valid={valid}: max abs {worst}"
 
 
+@pytest.mark.parametrize("t", [1, 6])
+def test_float16_kernel_is_the_float32_attention_of_its_inputs_rounded_once(kernels_loaded, t):
+    """An fp16 shard's call: every tensor float16. The kernel sums in float32 and rounds only its
+    output, so it is the float32 reference of the same values to within float16's half-ulp."""
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    kv, rep, hd = SHAPES["GQA"]
+    example = tuple(x.half() for x in inputs(kv, rep, hd, t, 0, seed=0))
+    with torch.no_grad():
+        program = to_edge(torch.export.export(OneAttention(), example)).to_executorch()
+    method = Runtime.get().load_program(program.buffer).load_method("forward")
+    for valid in (0, 1, S - 1, S):
+        case = tuple(x.half() for x in inputs(kv, rep, hd, t, valid, seed=valid + 1))
+        actual = method.execute(list(case))[0]
+        assert actual.dtype == torch.float16
+        expected = reference(*(x.float() for x in case))
+        assert torch.allclose(actual.float(), expected, rtol=2**-11, atol=1e-4), f"T={t} valid={valid}"
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_reference_equals_the_models_masked_attention(shape):
     from composite.lowering.xnnpack import KernelAttention

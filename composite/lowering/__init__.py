@@ -1,7 +1,8 @@
 """Lower one shard to one .pte with the backend its placement names.
 
-Every backend module exposes `lower(module, example_inputs, options) -> ExecutorchProgramManager`,
-where example_inputs maps method name -> tuple of example tensors. What ends up delegated is read
+Every backend module exposes `lower(module, example_inputs, names, options) -> (EdgeProgramManager,
+notes, encodings)`, where example_inputs maps method name -> tuple of example tensors, names maps
+method name -> (input names, output names), and encodings gives the I/O that is not float32. What ends up delegated is read
 back from the lowered program, never assumed from the placement.
 """
 
@@ -15,8 +16,8 @@ from composite.lowering.program import LoweredShard, export_methods, finish
 __all__ = ["LoweredShard", "export_methods", "finish", "lower_shard"]
 
 
-def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], placement: Placement):
-    """-> (EdgeProgramManager, notes) for an XNNPACK or portable shard. QNN shards go through
+def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], names: dict, placement: Placement):
+    """-> (EdgeProgramManager, notes, encodings) for an XNNPACK or portable shard. QNN shards go through
     lowering.qnn.QnnShardLowering, whose steps the export interleaves with calibration."""
     if placement.backend == "xnnpack":
         from composite.lowering import xnnpack as backend
@@ -24,4 +25,4 @@ def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], place
         from composite.lowering import portable as backend
     else:
         raise ValueError(f"lower_shard does not lower {placement.backend} shards")
-    return backend.lower(module, example_inputs, placement.options)
+    return backend.lower(module, example_inputs, names, placement.options)

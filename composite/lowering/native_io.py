@@ -50,9 +50,17 @@ class HalfIO(torch.nn.Module):
         return (outputs[0].float(), *outputs[1:]) if self.has_head else outputs
 
 
-def half_inputs(names: list[str], inputs: tuple) -> tuple:
-    """The example inputs of a HalfIO shard: its native inputs in float16."""
-    return tuple(t.half() if is_native_name(n) else t for n, t in zip(names, inputs))
+def half_io(names: dict, example_inputs: dict) -> tuple[dict, dict]:
+    """A HalfIO shard's example inputs (its native inputs in float16) and the encodings of its
+    native I/O, method -> ("in" | "out", name) -> float16. names: method -> (inputs, outputs)."""
+    half = Encoding(torch.float16)
+    examples, encodings = {}, {}
+    for method, (inputs, outputs) in names.items():
+        examples[method] = tuple(t.half() if is_native_name(n) else t for n, t in zip(inputs, example_inputs[method]))
+        encodings[method] = {
+            (side, n): half for side, ns in (("in", inputs), ("out", outputs)) for n in ns if is_native_name(n)
+        }
+    return examples, encodings
 
 
 def _observer_node(node: torch.fx.Node) -> torch.fx.Node | None:

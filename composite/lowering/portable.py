@@ -7,5 +7,6 @@ from executorch.exir import to_edge_transform_and_lower
 from composite.lowering.program import export_methods
 
 
-def lower(module, example_inputs: dict, options: dict):
-    return to_edge_transform_and_lower(export_methods(module, example_inputs)), []
+def lower(module, example_inputs: dict, names: dict, options: dict):
+    """-> (EdgeProgramManager, notes, encodings of non-float32 I/O: none, every tensor is float32)."""
+    return to_edge_transform_and_lower(export_methods(module, example_inputs)), [], {}

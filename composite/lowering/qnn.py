@@ -23,7 +23,7 @@ from composite.lowering import native_io
 from composite.lowering.calibration import calibrate, sqnr_db
 from composite.lowering.htp_graph import htp_form
 from composite.lowering.program import finish
-from composite.runtime.encoding import Encoding, convert
+from composite.runtime.encoding import convert
 
 QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
 
@@ -103,18 +103,7 @@ class QnnShardLowering:
         if options["precision"] == "fp16":
             if self.native_io:
                 htp = native_io.HalfIO(htp, has_head=next(iter(names.values()))[1][0] == "logits")
-                half = Encoding(torch.float16)
-                for method, (inputs, outputs) in names.items():
-                    self.example_inputs = {
-                        **self.example_inputs,
-                        method: native_io.half_inputs(inputs, example_inputs[method]),
-                    }
-                    self.io_encodings[method] = {
-                        (side, n): half
-                        for side, ns in (("in", inputs), ("out", outputs))
-                        for n in ns
-                        if native_io.is_native_name(n)
-                    }
+                self.example_inputs, self.io_encodings = native_io.half_io(names, example_inputs)
             self.graphs = {method: htp for method in example_inputs}
             return
         self.graphs = {}

@@ -1,4 +1,10 @@
-"""XNNPACK: fp32, or 8-bit dynamic activations with 4-bit grouped weights (8da4w, torchao).
+"""XNNPACK: fp32 or fp16, or 8-bit dynamic activations with 4-bit grouped (8da4w) or 8-bit
+per-channel (8da8w) weights (torchao).
+
+fp16 (`dtype: fp16`): weights, activations, hidden-state and KV-cache I/O in float16, as an fp16
+QNN shard has them (composite/lowering/native_io.py's HalfIO); rotary angles are still computed in
+float32, the mask stays float32 and logits come back as float32. XNNPACK computes in fp16 where
+the CPU has fp16 arithmetic and converts to fp32 elsewhere.
 
 Decode attention runs in our composite::attention kernel, which reads only the valid cache slots
 (`attention: kernel`, the default; composite/ops/attention.py), with the projections around it in
@@ -17,24 +23,44 @@ from executorch.exir import to_edge_transform_and_lower
 from torch import nn
 
 from composite.errors import UserError
+from composite.lowering import native_io
 from composite.lowering.program import export_methods
-from composite.model.llama import Attention, RMSNorm
+from composite.model.llama import Attention, RMSNorm, rope_cos_sin
+
+# quantize -> (torchao weight dtype, per-channel weights whatever the group size)
+WEIGHT_SCHEMES = {"8da4w": (torch.int4, False), "8da8w": (torch.int8, True)}
 
 
 class XnnpackRMSNorm(nn.Module):
-    """RMSNorm with mean(x^2) as a matmul by a constant 1/dim column. XNNPACK has no mean over the
+    """RMSNorm with mean(x^2) as a matmul by a constant column. XNNPACK has no mean over the
     last dimension of a 3-D tensor; left to ExecuTorch's CPU kernel, every norm would cut a layer
-    into separate delegate calls."""
+    into separate delegate calls. x is scaled by 1/sqrt(dim) before it is squared, so that in
+    float16 the squares of values up to 256 * sqrt(dim) do not overflow."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
         self.eps = norm.eps
         self.weight = norm.weight
         dim = norm.weight.shape[0]
-        self.register_buffer("mean_column", torch.full((dim, 1), 1.0 / dim), persistent=False)
+        self.scale = 1.0 / math.sqrt(dim)
+        self.register_buffer("sum_column", torch.ones((dim, 1)), persistent=False)
 
     def forward(self, x):
-        return x * torch.rsqrt((x * x) @ self.mean_column + self.eps) * self.weight
+        scaled = x * self.scale
+        return x * torch.rsqrt((scaled * scaled) @ self.sum_column + self.eps) * self.weight
+
+
+class HalfRope(nn.Module):
+    """cos/sin of the rotary angles computed in float32 (float16 angles lose whole radians at
+    positions in the hundreds) and handed to the float16 layers in float16."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+
+    def forward(self, positions):
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        return cos.half(), sin.half()
 
 
 class KernelAttention(nn.Module):
@@ -73,11 +99,23 @@ def xnnpack_form(module: nn.Module, attention: str = "graph") -> nn.Module:
     return module
 
 
-def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.Module, list[str]]:
-    """A quantized copy (the caller's module keeps its float weights) and notes on what was skipped."""
+def half_form(form: nn.Module, has_head: bool) -> nn.Module:
+    """An fp16 copy of an XNNPACK form with float16 native I/O (the caller's form keeps float32)."""
+    inv_freq = form.inv_freq
+    half = native_io.HalfIO(copy.deepcopy(form), has_head)
+    half.shard.rope = HalfRope(inv_freq)
+    return half
+
+
+def quantize_linears(module: torch.nn.Module, quantize: str, group_size: int) -> tuple[torch.nn.Module, list[str]]:
+    """A copy with 8-bit dynamically quantized activations and int4 (8da4w, grouped by group_size,
+    0 = per channel) or int8 (8da8w, per channel) weights; the caller's module keeps its float
+    weights. -> (module, notes on what was skipped)."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
 
+    weight_dtype, per_channel = WEIGHT_SCHEMES[quantize]
+    group_size = 0 if per_channel else group_size
     module = copy.deepcopy(module)
     skipped = []
 
@@ -92,7 +130,7 @@ def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.M
     quantize_(
         module,
         Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=torch.int4,
+            weight_dtype=weight_dtype,
             weight_granularity=PerAxis(0) if group_size == 0 else PerGroup(group_size),
         ),
         filter_fn=takes,
@@ -107,23 +145,31 @@ def quantize_8da4w(module: torch.nn.Module, group_size: int) -> tuple[torch.nn.M
     return module, notes
 
 
-def lower(module, example_inputs: dict, options: dict):
-    """With attention "kernel", the one-token method (decode) calls composite::attention; wider
+def lower(module, example_inputs: dict, names: dict, options: dict):
+    """-> (EdgeProgramManager, notes, method -> ("in" | "out", name) -> Encoding of the native I/O
+    that is not float32). names: method -> (input names, output names).
+
+    With attention "kernel", the one-token method (decode) calls composite::attention; wider
     methods (prefill) keep the graph's batched matmuls, which XNNPACK runs faster over many rows.
     Both forms hold the same weights, which the program stores once."""
     forms = {"graph": xnnpack_form(module, "graph")}
     if options.get("attention") == "kernel":
         forms["kernel"] = xnnpack_form(module, "kernel")
     notes = []
-    if options.get("quantize") == "8da4w":
+    if options.get("quantize", "none") != "none":
         for name in forms:
-            forms[name], notes = quantize_8da4w(forms[name], options["group_size"])
+            forms[name], notes = quantize_linears(forms[name], options["quantize"], options["group_size"])
+    encodings: dict[str, dict] = {method: {} for method in example_inputs}
+    if options.get("dtype") == "fp16":
+        has_head = next(iter(names.values()))[1][0] == "logits"
+        forms = {name: half_form(form, has_head) for name, form in forms.items()}
+        example_inputs, encodings = native_io.half_io(names, example_inputs)
     exported = {}
     for method, inputs in example_inputs.items():
         form = forms["kernel"] if "kernel" in forms and inputs[0].shape[1] == 1 else forms["graph"]
         exported.update(export_methods(form, {method: inputs}))
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
-    return edge, notes
+    return edge, notes, encodings
 
 
 def check_group_sizes(args, placements: list) -> None:

@@ -1,0 +1,127 @@
+"""XNNPACK fp16 and 8da8w shards: what the manifest and program say, and greedy tokens equal to
+the same model in eager PyTorch at the same precision, in both runners."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+from composite.lowering.xnnpack import half_form, quantize_linears, xnnpack_form
+from composite.manifest import DECODE, PREFILL
+from composite.model.default import load_default
+from composite.runtime.chain import ShardChain, eager_chain
+from composite.runtime.generate import generate
+from composite.runtime.sampler import Sampler
+from composite.split.plan import plan_shards
+from composite.split.shard import ShardModule
+from conftest import MAX_SEQ_LEN, PREFILL_LEN, RUNNER, assert_clean_failure, export, run_cli
+
+PROMPT = list(range(1, 20))
+NEW_TOKENS = 16
+
+
+class Float32Boundary(nn.Module):
+    """An fp16 form run by the eager chain, which keeps float32 tensors: float16 values survive the
+    round trip through float32 exactly, so this is the fp16 model's arithmetic."""
+
+    def __init__(self, half: nn.Module, spec):
+        super().__init__()
+        self.form, self.spec = half, spec
+
+    def forward(self, x, *inputs):
+        x = x.half() if x.is_floating_point() else x
+        caches = [t.half() if t.dtype == torch.float32 and t.dim() == 3 else t for t in inputs]
+        return [t.float() for t in self.form(x, *caches)]
+
+
+def eager_tokens(shards: int, precision: str) -> list[int]:
+    model = load_default().model
+    modules = []
+    for spec in plan_shards(model.args, shards):
+        shard = ShardModule(model, spec).eval()
+        if precision == "fp16":
+            form = Float32Boundary(half_form(xnnpack_form(shard, "kernel"), spec.has_head), spec)
+        else:
+            form, _ = quantize_linears(xnnpack_form(shard, "kernel"), precision, 0)
+            form.spec = spec
+        modules.append(form)
+    chain = eager_chain(model, modules, {DECODE: 1, PREFILL: PREFILL_LEN}, MAX_SEQ_LEN)
+    return generate(chain, PROMPT, NEW_TOKENS, Sampler()).tokens
+
+
+def runner_tokens(folder) -> list[int]:
+    stats = folder / "stats.json"
+    ids = ",".join(map(str, PROMPT))
+    result = subprocess.run(
+        [str(RUNNER), "--artifacts", str(folder), "--prompt_ids", ids, "--max_new_tokens", str(NEW_TOKENS)]
+        + ["--stats_json", str(stats)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(stats.read_text())
+
+
+@pytest.fixture(scope="session")
+def fp16_export(workdir):
+    return export(workdir / "default_3_fp16", shards=3, xnnpack={"dtype": "fp16"})
+
+
+@pytest.fixture(scope="session")
+def int8_export(workdir):
+    return export(workdir / "default_3_8da8w", shards=3, xnnpack={"quantize": "8da8w"})
+
+
+def test_fp16_shards_take_and_give_float16(fp16_export, default_exports):
+    manifest = json.loads((fp16_export / "manifest.json").read_text())
+    fp32 = json.loads((default_exports[3] / "manifest.json").read_text())
+    for shard, float_shard in zip(manifest["shards"], fp32["shards"]):
+        assert shard["placement"]["options"]["dtype"] == "fp16"
+        assert shard["backends"] == ["XnnpackBackend"]
+        assert shard["size"] < 0.6 * float_shard["size"]
+        for method in (DECODE, PREFILL):
+            for tensor in shard["io"][method]["inputs"] + shard["io"][method]["outputs"]:
+                native = tensor["name"] == "hidden" or tensor["name"].split(".")[0] in (
+                    "k_cache",
+                    "v_cache",
+                    "k_new",
+                    "v_new",
+                )
+                expected = (
+                    "float16" if native else {"logits": "float32", "mask": "float32"}.get(tensor["name"], "int64")
+                )
+                assert tensor["dtype"] == expected, (shard["index"], method, tensor["name"])
+
+
+def test_fp16_greedy_tokens_are_the_fp16_models(fp16_export):
+    expected = eager_tokens(3, "fp16")
+    assert generate(ShardChain(fp16_export), PROMPT, NEW_TOKENS, Sampler()).tokens == expected
+    if RUNNER.exists():
+        stats = runner_tokens(fp16_export)
+        assert stats["tokens"] == expected
+        args = load_default().model.args
+        float32_bytes = args.n_layers * 2 * 4 * MAX_SEQ_LEN * args.n_kv_heads * args.head_dim
+        assert stats["kv_cache_bytes"] * 2 == float32_bytes  # float16 caches
+
+
+def test_8da8w_shards_are_int8_and_give_the_quantized_models_tokens(int8_export, default_exports):
+    manifest = json.loads((int8_export / "manifest.json").read_text())
+    fp32 = json.loads((default_exports[3] / "manifest.json").read_text())
+    for shard, float_shard in zip(manifest["shards"], fp32["shards"]):
+        assert shard["placement"]["options"]["quantize"] == "8da8w"
+        assert shard["backends"] == ["XnnpackBackend"]
+        # int8 weights with a scale per output channel: about a quarter of the linears' bytes
+        assert shard["size"] < 0.6 * float_shard["size"]
+    expected = eager_tokens(3, "8da8w")
+    assert generate(ShardChain(int8_export), PROMPT, NEW_TOKENS, Sampler()).tokens == expected
+    if RUNNER.exists():
+        assert runner_tokens(int8_export)["tokens"] == expected
+
+
+def test_fp16_with_quantized_linears_is_refused(tmp_path):
+    result = run_cli("composite.export", "--dtype", "fp16", "--quantize", "8da4w", "--output", str(tmp_path / "x"))
+    assert_clean_failure(result, "dtype fp16 is for unquantized shards", output=tmp_path / "x")
