@@ -46,7 +46,32 @@ def test_tiny_benchmark_runs_ours_and_the_peer(tmp_path):
 def test_bad_benchmark_flags_get_one_line(tmp_path):
     done = bench("--quant", "int3", "--output", str(tmp_path))
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: --quant: unknown value 'int3' (choose from fp32, 8da4w)"
+        "error: --quant: unknown value 'int3' (choose from fp32, fp16, 8da8w, 8da4w)"
     ]
     done = bench("--runner", str(tmp_path / "nope"), "--output", str(tmp_path))
     assert done.returncode == 2 and "composite_runner not found" in done.stderr
+    done = bench("--llama-cpp", str(tmp_path / "no_llama"), "--output", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: llama.cpp is not built in {tmp_path / 'no_llama'}: run bash scripts/build_llama_cpp.sh "
+        "(or pass --llama-cpp DIR)"
+    ]
+
+
+def test_llama_cpp_gets_the_benchmarks_model_as_transformers_reads_it(tmp_path):
+    """The folder convert_hf_to_gguf.py reads is our checkpoint: transformers' logits equal ours."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from composite.bench.llama_cpp import write_hf_folder
+    from composite.bench.workload import DIMS, write_workload
+    from composite.model.checkpoint import load_checkpoint
+
+    paths = write_workload(DIMS["tiny"], tmp_path / "workload")
+    folder = write_hf_folder(paths, tmp_path / "hf")
+    ours = load_checkpoint(str(paths["consolidated.00.pth"]), str(paths["params.json"])).model
+    theirs = LlamaForCausalLM.from_pretrained(folder).eval()
+    tokens = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        expected = ours.forward_full(tokens)
+        actual = theirs(tokens).logits
+    assert (actual - expected).abs().max().item() < 1e-4

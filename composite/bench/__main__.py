@@ -1,4 +1,5 @@
-"""python -m composite.bench: our shard pipeline beside ExecuTorch's own single-.pte llama.
+"""python -m composite.bench: our shard pipeline beside ExecuTorch's own single-.pte llama and, with
+--llama-cpp, llama.cpp at the same precision.
 
 Same random-weight checkpoint, same prompt tokens, same machine. Exports are cached under --work
 (keyed by everything that shapes them), runs are interleaved (peer, ours, peer, ours, ...) and
@@ -21,21 +22,31 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-from composite.report import read_stats, render
-from composite.bench import peer
+from composite.bench import llama_cpp, peer
 from composite.bench.workload import DIMS, Dims, prompt_ids, write_workload
 from composite.errors import UserError, exits_cleanly
+from composite.report import read_stats, render
 
-QUANTS = ("fp32", "8da4w")
+QUANTS = ("fp32", "fp16", "8da8w", "8da4w")
+# ours: the export flags of each precision
+EXPORT_FLAGS = {
+    "fp32": ["--quantize", "none"],
+    "fp16": ["--dtype", "fp16"],
+    "8da8w": ["--quantize", "8da8w"],
+    "8da4w": ["--quantize", "8da4w"],
+}
+# ExecuTorch's export_llama has no 8da8w that runs on XNNPACK (its torchao:8da8w packs for torchao's
+# own kernels), so that precision has no ExecuTorch peer.
+PEER_QUANTS = ("fp32", "fp16", "8da4w")
 
 
 @dataclass
 class Config:
-    name: str  # "peer fp32", "ours 6 fp32"
-    kind: str  # "peer" | "ours"
+    name: str  # "peer fp32", "ours 6 fp32", "llama.cpp fp32"
+    kind: str  # "peer" | "ours" | "llama.cpp"
     quant: str
     shards: int
-    artifact: Path  # peer: the .pte; ours: the artifacts folder
+    artifact: Path  # peer: the .pte; ours: the artifacts folder; llama.cpp: the .gguf
     export_seconds: float
     size_bytes: int
 
@@ -59,11 +70,19 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m composite.bench", description=__doc__.split(":", 1)[1].strip())
     p.add_argument("--dims", default="stories110m", choices=sorted(DIMS), help="model dimensions (default stories110m)")
     p.add_argument("--shards", default="1,6", help="shard counts of our pipeline (default 1,6)")
-    p.add_argument("--quant", default="fp32", help="fp32 and/or 8da4w (default fp32)")
+    p.add_argument("--quant", default="fp32", help=f"{', '.join(QUANTS)}, comma separated (default fp32)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved runs per configuration (default 5)")
     p.add_argument("--prefill-len", type=int, default=64, help="tokens per prefill call of our shards (default 64)")
     p.add_argument("--attention", default="kernel", help="our XNNPACK attention: kernel and/or graph (default kernel)")
-    p.add_argument("--no-peer", action="store_true", help="skip ExecuTorch's llama (ours only)")
+    p.add_argument("--no-peer", action="store_true", help="skip ExecuTorch's llama")
+    p.add_argument(
+        "--llama-cpp",
+        nargs="?",
+        const=str(llama_cpp.DEFAULT_FOLDER),
+        metavar="DIR",
+        help="add llama.cpp's llama-bench at each precision (GGUF F32/F16/Q8_0/Q4_0), built by "
+        f"scripts/build_llama_cpp.sh (default DIR {llama_cpp.DEFAULT_FOLDER})",
+    )
     p.add_argument("--runner", default="build/composite_runner", help="composite_runner binary")
     p.add_argument("--work", default=None, help="export cache (default ~/.cache/composite/bench)")
     p.add_argument("--output", default="bench", help="where bench.json, stats and bench.png go (default ./bench)")
@@ -111,17 +130,43 @@ def export_peer(paths: dict, dims: Dims, quant: str, work: Path) -> Config:
     return Config(f"peer {quant}", "peer", quant, 1, pte, seconds, pte.stat().st_size)
 
 
-def export_ours(paths: dict, dims: Dims, quant: str, shards: int, prefill_len: int, attention: str, work: Path) -> Config:
+def export_ours(
+    paths: dict, dims: Dims, quant: str, shards: int, prefill_len: int, attention: str, work: Path
+) -> Config:
     folder = work / f"ours_{shards}_{quant}_p{prefill_len}_{attention}"
     artifacts = folder / "artifacts"
-    key = {"dims": dims.__dict__, "quant": quant, "shards": shards, "prefill_len": prefill_len, "attention": attention,
-           "composite": _composite_fingerprint(), "executorch": _executorch_version()}
+    key = {
+        "dims": dims.__dict__,
+        "quant": quant,
+        "shards": shards,
+        "prefill_len": prefill_len,
+        "attention": attention,
+        "composite": _composite_fingerprint(),
+        "executorch": _executorch_version(),
+    }
     command = [
-        sys.executable, "-m", "composite.export", "--checkpoint", str(paths["consolidated.00.pth"]),
-        "--params", str(paths["params.json"]), "--tokenizer", str(paths["tokenizer.model"]),
-        "--shards", str(shards), "--placement", "xnnpack", "--max-seq-len", str(dims.max_seq_len),
-        "--prefill-len", str(prefill_len), "--quantize", "none" if quant == "fp32" else "8da4w", "--attention", attention,
-        "--output", str(artifacts),
+        sys.executable,
+        "-m",
+        "composite.export",
+        "--checkpoint",
+        str(paths["consolidated.00.pth"]),
+        "--params",
+        str(paths["params.json"]),
+        "--tokenizer",
+        str(paths["tokenizer.model"]),
+        "--shards",
+        str(shards),
+        "--placement",
+        "xnnpack",
+        "--max-seq-len",
+        str(dims.max_seq_len),
+        "--prefill-len",
+        str(prefill_len),
+        *EXPORT_FLAGS[quant],
+        "--attention",
+        attention,
+        "--output",
+        str(artifacts),
     ]
 
     def build():
@@ -139,12 +184,41 @@ def export_ours(paths: dict, dims: Dims, quant: str, shards: int, prefill_len: i
     return Config(name, "ours", quant, shards, artifacts, seconds, size)
 
 
-def run_once(config: Config, paths: dict, dims: Dims, runner: Path, out_dir: Path, repeat: int) -> dict:
+def export_llama_cpp(paths: dict, quant: str, folder: Path, work: Path) -> Config:
+    print(f"llama.cpp {quant}: GGUF {llama_cpp.GGUF_TYPES[quant]} (cached in {work / 'gguf'})", flush=True)
+    hf = llama_cpp.write_hf_folder(paths, work / "gguf" / "hf")
+    started = time.perf_counter()
+    gguf = llama_cpp.write_gguf(folder, hf, quant, work / "gguf")
+    return Config(f"llama.cpp {quant}", "llama.cpp", quant, 1, gguf, time.perf_counter() - started, gguf.stat().st_size)
+
+
+def run_once(
+    config: Config,
+    paths: dict,
+    dims: Dims,
+    runner: Path,
+    out_dir: Path,
+    repeat: int,
+    llama_cpp_folder: Path | None = None,
+) -> dict:
+    if config.kind == "llama.cpp":
+        return llama_cpp.bench_once(
+            llama_cpp_folder, config.artifact, config.quant, dims.prompt_tokens, dims.new_tokens, os.cpu_count() or 1
+        )
     if config.kind == "peer":
-        command = [sys.executable, "-m", "composite.bench.peer", "run", str(config.artifact),
-                   str(paths["tokenizer.model"]), str(paths["prompt.txt"]), str(dims.new_tokens), str(dims.max_seq_len)]
+        command = [
+            sys.executable,
+            "-m",
+            "composite.bench.peer",
+            "run",
+            str(config.artifact),
+            str(paths["tokenizer.model"]),
+            str(paths["prompt.txt"]),
+            str(dims.new_tokens),
+            str(dims.max_seq_len),
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{\"runner\"")]
+        lines = [line for line in done.stdout.splitlines() if line.startswith('{"runner"')]
         if done.returncode != 0 or not lines:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise UserError(f"{config.name} run failed (exit {done.returncode}): {tail}")
@@ -152,8 +226,17 @@ def run_once(config: Config, paths: dict, dims: Dims, runner: Path, out_dir: Pat
     stats_path = out_dir / "runs" / f"{config.name.replace(' ', '_')}_{repeat}.json"
     stats_path.parent.mkdir(parents=True, exist_ok=True)
     ids = ",".join(map(str, prompt_ids(paths)))
-    command = [str(runner), "--artifacts", str(config.artifact), "--prompt_ids", ids,
-               "--max_new_tokens", str(dims.new_tokens), "--stats_json", str(stats_path)]
+    command = [
+        str(runner),
+        "--artifacts",
+        str(config.artifact),
+        "--prompt_ids",
+        ids,
+        "--max_new_tokens",
+        str(dims.new_tokens),
+        "--stats_json",
+        str(stats_path),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -172,13 +255,17 @@ def summarize(configs: list[Config], runs: dict[str, list[dict]]) -> dict:
         rs = runs[c.name]
         row = {m: statistics.median(r[m] for r in rs) for m in METRICS}
         if c.kind == "peer":
-            # The peer runs inside Python; what the interpreter and torch held before the runner
+            # ExecuTorch's runner runs inside Python; what the interpreter and torch held before the runner
             # existed is not the runner's memory.
             row["runner_rss_mb"] = statistics.median(r["peak_rss_mb"] - r["interpreter_rss_mb"] for r in rs)
         else:
             row["runner_rss_mb"] = row["peak_rss_mb"]
-        row.update(export_seconds=c.export_seconds, size_mb=c.size_bytes / 1e6, prompt_tokens=rs[0]["prompt_tokens"],
-                   runs=len(rs))
+        row.update(
+            export_seconds=c.export_seconds,
+            size_mb=c.size_bytes / 1e6,
+            prompt_tokens=rs[0]["prompt_tokens"],
+            runs=len(rs),
+        )
         summary[c.name] = row
     return summary
 
@@ -189,14 +276,15 @@ def ratio_lines(configs: list[Config], summary: dict) -> list[str]:
         if c.kind != "ours":
             continue
         mine = summary[c.name]
-        peer_row = summary.get(f"peer {c.quant}")
-        if peer_row:
-            lines.append(
-                f"{c.name} / peer {c.quant}: decode {mine['decode_tokens_per_s'] / peer_row['decode_tokens_per_s']:.2f}x, "
-                f"prefill {mine['prefill_tokens_per_s'] / peer_row['prefill_tokens_per_s']:.2f}x, "
-                f"runner RSS {mine['runner_rss_mb'] / peer_row['runner_rss_mb']:.2f}x, "
-                f"size {mine['size_mb'] / peer_row['size_mb']:.3f}x"
-            )
+        for other in (f"peer {c.quant}", f"llama.cpp {c.quant}"):
+            row = summary.get(other)
+            if row:
+                lines.append(
+                    f"{c.name} / {other}: decode {mine['decode_tokens_per_s'] / row['decode_tokens_per_s']:.2f}x, "
+                    f"prefill {mine['prefill_tokens_per_s'] / row['prefill_tokens_per_s']:.2f}x, "
+                    f"runner RSS {mine['runner_rss_mb'] / row['runner_rss_mb']:.2f}x, "
+                    f"size {mine['size_mb'] / row['size_mb']:.3f}x"
+                )
         one = summary.get(f"ours 1 {c.quant}")
         if one and c.shards != 1:
             lines.append(
@@ -243,7 +331,12 @@ def main(argv=None) -> None:
         raise UserError("--repeats must be at least 1")
     runner = Path(args.runner)
     if not runner.is_file() or not os.access(runner, os.X_OK):
-        raise UserError(f"composite_runner not found at {runner}: build it (bash scripts/build_runner.sh build) or pass --runner")
+        raise UserError(
+            f"composite_runner not found at {runner}: build it (bash scripts/build_runner.sh build) or pass --runner"
+        )
+    llama_cpp_folder = Path(args.llama_cpp) if args.llama_cpp else None
+    if llama_cpp_folder is not None:
+        llama_cpp.binaries(llama_cpp_folder)  # built, or one line saying how
     work = Path(args.work or Path.home() / ".cache" / "composite" / "bench") / args.dims
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -251,8 +344,12 @@ def main(argv=None) -> None:
     paths = write_workload(dims, work / "workload")
     configs: list[Config] = []
     for quant in quants:
-        if not args.no_peer:
+        if not args.no_peer and quant in PEER_QUANTS:
             configs.append(export_peer(paths, dims, quant, work))
+        elif not args.no_peer:
+            print(f"peer {quant}: none (ExecuTorch's export_llama has no XNNPACK {quant})", flush=True)
+        if llama_cpp_folder is not None:
+            configs.append(export_llama_cpp(paths, quant, llama_cpp_folder, work))
         for shards in shard_counts:
             for attention in attentions:
                 configs.append(export_ours(paths, dims, quant, shards, args.prefill_len, attention, work))
@@ -260,16 +357,21 @@ def main(argv=None) -> None:
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for repeat in range(args.repeats):
         for c in configs:  # interleaved: drifts of the machine hit every configuration alike
-            stats = run_once(c, paths, dims, runner, out_dir, repeat)
+            stats = run_once(c, paths, dims, runner, out_dir, repeat, llama_cpp_folder)
             runs[c.name].append(stats)
-            print(f"  run {repeat + 1}/{args.repeats} {c.name}: prefill {stats['prefill_tokens_per_s']:.0f} tok/s, "
-                  f"decode {stats['decode_tokens_per_s']:.1f} tok/s", flush=True)
+            print(
+                f"  run {repeat + 1}/{args.repeats} {c.name}: prefill {stats['prefill_tokens_per_s']:.0f} tok/s, "
+                f"decode {stats['decode_tokens_per_s']:.1f} tok/s",
+                flush=True,
+            )
 
     summary = summarize(configs, runs)
     ratios = ratio_lines(configs, summary)
-    header = (f"composite.bench --dims {args.dims} ({dims.dim} dim, {dims.n_layers} layers, vocab {dims.vocab_size}, "
-              f"context {dims.max_seq_len}, prompt {dims.prompt_tokens} tokens, {dims.new_tokens} new), "
-              f"medians of {args.repeats} interleaved runs, {date.today().isoformat()}, {machine()}")
+    header = (
+        f"composite.bench --dims {args.dims} ({dims.dim} dim, {dims.n_layers} layers, vocab {dims.vocab_size}, "
+        f"context {dims.max_seq_len}, prompt {dims.prompt_tokens} tokens, {dims.new_tokens} new), "
+        f"medians of {args.repeats} interleaved runs, {date.today().isoformat()}, {machine()}"
+    )
     print("\n" + header + "\n\n" + table(summary) + "\n\n" + "\n".join(ratios))
 
     picked, labels = [], []
@@ -280,8 +382,9 @@ def main(argv=None) -> None:
             labels.append(c.name)
     if picked:
         render(picked, out_dir / "bench.png", f"composite.bench {args.dims}: time per token by shard")
-    (out_dir / "bench.json").write_text(json.dumps(
-        {"header": header, "summary": summary, "ratios": ratios, "runs": runs}, indent=1) + "\n")
+    (out_dir / "bench.json").write_text(
+        json.dumps({"header": header, "summary": summary, "ratios": ratios, "runs": runs}, indent=1) + "\n"
+    )
     print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
 
 

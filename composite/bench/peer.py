@@ -18,11 +18,24 @@ from composite.errors import UserError
 
 def export_command(paths: dict[str, Path], max_seq_len: int, quant: str, output: Path) -> list[str]:
     command = [
-        sys.executable, "-m", "executorch.examples.models.llama.export_llama",
-        "-c", str(paths["consolidated.00.pth"]), "-p", str(paths["params.json"]),
-        "-X", "-kv", "--use_sdpa_with_kv_cache", "-d", "fp32",
-        "--max_seq_length", str(max_seq_len), "--max_context_length", str(max_seq_len),
-        "--output_name", str(output),
+        sys.executable,
+        "-m",
+        "executorch.examples.models.llama.export_llama",
+        "-c",
+        str(paths["consolidated.00.pth"]),
+        "-p",
+        str(paths["params.json"]),
+        "-X",
+        "-kv",
+        "--use_sdpa_with_kv_cache",
+        "-d",
+        "fp16" if quant == "fp16" else "fp32",
+        "--max_seq_length",
+        str(max_seq_len),
+        "--max_context_length",
+        str(max_seq_len),
+        "--output_name",
+        str(output),
     ]
     if quant == "8da4w":
         command += ["-qmode", "8da4w", "-G", "32"]
@@ -31,8 +44,9 @@ def export_command(paths: dict[str, Path], max_seq_len: int, quant: str, output:
 
 def export(paths: dict[str, Path], max_seq_len: int, quant: str, output: Path, log: Path) -> None:
     with open(log, "w") as out:
-        done = subprocess.run(export_command(paths, max_seq_len, quant, output), stdout=out, stderr=subprocess.STDOUT,
-                              cwd=output.parent)
+        done = subprocess.run(
+            export_command(paths, max_seq_len, quant, output), stdout=out, stderr=subprocess.STDOUT, cwd=output.parent
+        )
     if done.returncode != 0 or not output.exists():
         raise UserError(f"ExecuTorch's llama export failed (exit {done.returncode}); see {log}")
 
@@ -55,8 +69,13 @@ def _run(pte: str, tokenizer: str, prompt_file: str, new_tokens: int, seq_len: i
     report: dict = {}
 
     def on_stats(stats) -> None:
-        report.update({name: getattr(stats, name) for name in dir(stats) if not name.startswith("_")
-                       and isinstance(getattr(stats, name), (int, float))})
+        report.update(
+            {
+                name: getattr(stats, name)
+                for name in dir(stats)
+                if not name.startswith("_") and isinstance(getattr(stats, name), (int, float))
+            }
+        )
 
     # One BOS, as composite_runner gets it in its prompt ids: both see the same tokens.
     config = GenerationConfig(max_new_tokens=new_tokens, seq_len=seq_len, temperature=0.0, echo=False, num_bos=1)

@@ -43,7 +43,9 @@ class Dims:
 
 DIMS = {
     # llama2.c's stories110M: the size the peer numbers were measured at.
-    "stories110m": Dims(dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=512, prompt_tokens=308, new_tokens=128),
+    "stories110m": Dims(
+        dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=512, prompt_tokens=308, new_tokens=128
+    ),
     # Small enough for CI: keeps the benchmark script itself working.
     "tiny": Dims(dim=64, n_layers=4, n_heads=4, vocab_size=512, max_seq_len=64, prompt_tokens=24, new_tokens=8),
 }
@@ -67,8 +69,15 @@ def write_workload(dims: Dims, folder: Path) -> dict[str, Path]:
     paths["tokenizer.model"].write_bytes(train_sentencepiece(text, dims.vocab_size))
     params = dims.params_json()
     hidden = meta_ffn_hidden_dim(dims.dim, dims.multiple_of, None)
-    args = ModelArgs(dim=dims.dim, n_layers=dims.n_layers, n_heads=dims.n_heads, n_kv_heads=dims.n_heads,
-                     vocab_size=dims.vocab_size, hidden_dim=hidden, rope_theta=params["rope_theta"])
+    args = ModelArgs(
+        dim=dims.dim,
+        n_layers=dims.n_layers,
+        n_heads=dims.n_heads,
+        n_kv_heads=dims.n_heads,
+        vocab_size=dims.vocab_size,
+        hidden_dim=hidden,
+        rope_theta=params["rope_theta"],
+    )
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(SEED)
