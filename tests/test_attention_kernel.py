@@ -16,7 +16,7 @@ from composite.runtime.kv_cache import AttentionMask
 from conftest import RUNNER, export, one_error_line, run_cli
 
 S = 16  # cache slots
-SHAPES = {"MHA": (2, 1, 8), "GQA": (2, 3, 8)}  # kv heads, query heads per kv head, head dim
+SHAPES = {"MHA": (2, 1, 8), "GQA": (2, 3, 8), "odd": (1, 2, 6)}  # kv heads, query heads per kv head, head dim
 
 
 class OneAttention(torch.nn.Module):

@@ -46,14 +46,35 @@ COMPOSITE_VECTOR_CLONES void scores_of_group(const T* q, const T* k_cache, const
                                              float* scores) {
   const int64_t width = n.valid + n.t;
   std::fill(scores, scores + n.rows * width, 0.f);
-  for (int64_t d = 0; d < n.hd; ++d) {
+  // Four head dimensions per pass: a score row (in L1) is loaded and stored once per four FMAs.
+  int64_t d = 0;
+  for (; d + 4 <= n.hd; d += 4) {
+    const T *k0 = k_cache + d * n.s, *k1 = k0 + n.s, *k2 = k1 + n.s, *k3 = k2 + n.s;
+    const T *n0 = k_new + d * n.t, *n1 = n0 + n.t, *n2 = n1 + n.t, *n3 = n2 + n.t;
+    for (int64_t r = 0; r < n.rows; ++r) {
+      const T* qr = q + r * n.hd + d;
+      const float q0 = static_cast<float>(qr[0]), q1 = static_cast<float>(qr[1]);
+      const float q2 = static_cast<float>(qr[2]), q3 = static_cast<float>(qr[3]);
+      float* row = scores + r * width;
+      for (int64_t j = 0; j < n.valid; ++j) {
+        row[j] += q0 * static_cast<float>(k0[j]) + q1 * static_cast<float>(k1[j]) + q2 * static_cast<float>(k2[j]) +
+                  q3 * static_cast<float>(k3[j]);
+      }
+      const int64_t own = r % n.t + 1;  // causal: token i sees the call's entries 0..i
+      for (int64_t j = 0; j < own; ++j) {
+        row[n.valid + j] += q0 * static_cast<float>(n0[j]) + q1 * static_cast<float>(n1[j]) +
+                            q2 * static_cast<float>(n2[j]) + q3 * static_cast<float>(n3[j]);
+      }
+    }
+  }
+  for (; d < n.hd; ++d) {
     const T* k_row = k_cache + d * n.s;
     const T* k_new_row = k_new + d * n.t;
     for (int64_t r = 0; r < n.rows; ++r) {
       const float qd = static_cast<float>(q[r * n.hd + d]);
       float* row = scores + r * width;
       for (int64_t j = 0; j < n.valid; ++j) row[j] += qd * static_cast<float>(k_row[j]);
-      const int64_t own = r % n.t + 1;  // causal: token i sees the call's entries 0..i
+      const int64_t own = r % n.t + 1;
       for (int64_t j = 0; j < own; ++j) row[n.valid + j] += qd * static_cast<float>(k_new_row[j]);
     }
   }
@@ -75,7 +96,18 @@ COMPOSITE_VECTOR_CLONES void weighted_values(float* scores, const T* v_cache, co
     for (int64_t j = 0; j < own; ++j) sum += row[n.valid + j] = std::exp(row[n.valid + j] - top);
     const float inverse = 1.f / sum;
     std::fill(sums, sums + n.hd, 0.f);
-    for (int64_t j = 0; j < n.valid; ++j) {
+    // Four slots per pass: the sums (in L1) are loaded and stored once per four FMAs.
+    int64_t j = 0;
+    for (; j + 4 <= n.valid; j += 4) {
+      const float p0 = row[j] * inverse, p1 = row[j + 1] * inverse;
+      const float p2 = row[j + 2] * inverse, p3 = row[j + 3] * inverse;
+      const T *v0 = v_cache + j * n.hd, *v1 = v0 + n.hd, *v2 = v1 + n.hd, *v3 = v2 + n.hd;
+      for (int64_t d = 0; d < n.hd; ++d) {
+        sums[d] += p0 * static_cast<float>(v0[d]) + p1 * static_cast<float>(v1[d]) + p2 * static_cast<float>(v2[d]) +
+                   p3 * static_cast<float>(v3[d]);
+      }
+    }
+    for (; j < n.valid; ++j) {
       const float p = row[j] * inverse;
       const T* v = v_cache + j * n.hd;
       for (int64_t d = 0; d < n.hd; ++d) sums[d] += p * static_cast<float>(v[d]);
