@@ -184,12 +184,22 @@ def export_ours(
     return Config(name, "ours", quant, shards, artifacts, seconds, size)
 
 
-def export_llama_cpp(paths: dict, quant: str, folder: Path, work: Path) -> Config:
+def export_llama_cpp(paths: dict, dims: Dims, quant: str, llama_cpp_folder: Path, work: Path) -> Config:
+    """GGUF files live together in work/gguf (Q8_0 and Q4_0 are quantized from F32); each
+    precision's stamp, with the seconds its conversion took, in work/llama_cpp_<quant>."""
+    gguf = work / "gguf" / f"model-{llama_cpp.GGUF_TYPES[quant]}.gguf"
+    key = {"dims": dims.__dict__, "quant": quant, "llama.cpp": str(llama_cpp_folder)}
     print(f"llama.cpp {quant}: GGUF {llama_cpp.GGUF_TYPES[quant]} (cached in {work / 'gguf'})", flush=True)
-    hf = llama_cpp.write_hf_folder(paths, work / "gguf" / "hf")
-    started = time.perf_counter()
-    gguf = llama_cpp.write_gguf(folder, hf, quant, work / "gguf")
-    return Config(f"llama.cpp {quant}", "llama.cpp", quant, 1, gguf, time.perf_counter() - started, gguf.stat().st_size)
+
+    def build():
+        gguf.unlink(missing_ok=True)
+        hf = llama_cpp.write_hf_folder(paths, work / "gguf" / "hf")
+        llama_cpp.write_gguf(llama_cpp_folder, hf, quant, work / "gguf")
+
+    if not gguf.exists():  # a stamp without its file is stale
+        (work / f"llama_cpp_{quant}" / "bench_stamp.json").unlink(missing_ok=True)
+    seconds = _cached(work / f"llama_cpp_{quant}", key, build)
+    return Config(f"llama.cpp {quant}", "llama.cpp", quant, 1, gguf, seconds, gguf.stat().st_size)
 
 
 def run_once(
@@ -349,7 +359,7 @@ def main(argv=None) -> None:
         elif not args.no_peer:
             print(f"peer {quant}: none (ExecuTorch's export_llama has no XNNPACK {quant})", flush=True)
         if llama_cpp_folder is not None:
-            configs.append(export_llama_cpp(paths, quant, llama_cpp_folder, work))
+            configs.append(export_llama_cpp(paths, dims, quant, llama_cpp_folder, work))
         for shards in shard_counts:
             for attention in attentions:
                 configs.append(export_ours(paths, dims, quant, shards, args.prefill_len, attention, work))
