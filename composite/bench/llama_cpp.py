@@ -136,17 +136,7 @@ def bench_once(llama_cpp: Path, gguf: Path, quant: str, prompt_tokens: int, new_
     """One prefill of `prompt_tokens` and one decode of `new_tokens` after that many, each timed by
     llama-bench (one repetition, after its warm-up); peak RSS is the larger of the two processes'."""
     bench = binaries(llama_cpp) / "llama-bench"
-    common = [
-        str(bench),
-        "-m",
-        str(gguf),
-        "-t",
-        str(threads),
-        "-r",
-        "1",
-        "-o",
-        "json",
-    ]
+    common = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
     results, peak_kib = [], 0
     for shape in (["-p", str(prompt_tokens), "-n", "0"], ["-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens)]):
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -154,15 +144,16 @@ def bench_once(llama_cpp: Path, gguf: Path, quant: str, prompt_tokens: int, new_
             # wait4, not wait: its rusage is this child's own peak RSS
             _, status, usage = os.wait4(process.pid, 0)
             process.returncode = os.waitstatus_to_exitcode(status)
-            out.seek(0), err.seek(0)
             if process.returncode != 0:
+                err.seek(0)
                 tail = (err.read().strip().splitlines() or ["no output"])[-1]
                 raise UserError(f"llama-bench {quant} failed (exit {process.returncode}): {tail}")
+            out.seek(0)
             results.append(json.loads(out.read())[0])
         peak_kib = max(peak_kib, usage.ru_maxrss)
     prefill, decode = results
     return {
-        "runner": f"llama.cpp llama-bench {prefill.get('build_commit', '')}".strip(),
+        "runner": "llama.cpp llama-bench",
         "prompt_tokens": prompt_tokens,
         "generated_tokens": new_tokens,
         "prefill_tokens_per_s": prefill["avg_ts"],
