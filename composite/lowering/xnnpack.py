@@ -25,7 +25,7 @@ from torch import nn
 from composite.errors import UserError
 from composite.lowering import native_io
 from composite.lowering.program import export_methods
-from composite.model.llama import Attention, RMSNorm, rope_cos_sin
+from composite.model.llama import Attention, FeedForward, RMSNorm, rope_cos_sin
 
 # quantize -> (torchao weight dtype, per-channel weights whatever the group size)
 WEIGHT_SCHEMES = {"8da4w": (torch.int4, False), "8da8w": (torch.int8, True)}
@@ -63,6 +63,20 @@ class HalfRope(nn.Module):
         return cos.half(), sin.half()
 
 
+class XnnpackFeedForward(nn.Module):
+    """FeedForward with SiLU written as x * sigmoid(x): PyTorch's decomposition of silu on float16
+    computes in float32, and the two casts around it would cut every fp16 layer into more
+    delegate calls."""
+
+    def __init__(self, feed_forward: FeedForward):
+        super().__init__()
+        self.w1, self.w2, self.w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
+
+    def forward(self, x):
+        gate = self.w1(x)
+        return self.w2(gate * torch.sigmoid(gate) * self.w3(x))
+
+
 class KernelAttention(nn.Module):
     """Attention.forward with scores, softmax and values in composite::attention (same I/O)."""
 
@@ -94,6 +108,8 @@ def xnnpack_form(module: nn.Module, attention: str = "graph") -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
                 setattr(parent, name, XnnpackRMSNorm(child))
+            elif isinstance(child, FeedForward):
+                setattr(parent, name, XnnpackFeedForward(child))
             elif isinstance(child, Attention) and attention == "kernel":
                 setattr(parent, name, KernelAttention(child))
     return module
