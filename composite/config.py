@@ -1,7 +1,9 @@
 """The export configuration: YAML file + command-line overrides, validated before any work starts.
 
 YAML keys (all optional):
-  checkpoint, params, tokenizer   paths; no checkpoint means the embedded default
+  checkpoint, params, tokenizer   paths; no checkpoint means the embedded default (a checkpoint is
+                                  a Meta .pth, a Hugging Face folder or a llama GGUF file)
+  chat_template                   a Jinja chat template file, instead of the tokenizer's own
   max_seq_len                     KV cache length (positions), default 512
   prefill_len                     tokens per call of each shard's prefill method, default 64
   shards                          number of shards, default 1
@@ -40,6 +42,7 @@ TOP_LEVEL_KEYS = (
     "checkpoint",
     "params",
     "tokenizer",
+    "chat_template",
     "max_seq_len",
     "prefill_len",
     "shards",
@@ -97,6 +100,7 @@ class ExportConfig:
     checkpoint: str | None = None
     params: str | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None
     max_seq_len: int = 512
     prefill_len: int = 64
     shards: int = 1
@@ -297,7 +301,7 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
         raise UserError("output is empty: name the artifacts folder (default: artifacts)")
     config = ExportConfig(**values)
     # Paths are relative to the working directory, as on the command line.
-    for key in ("checkpoint", "params", "tokenizer", "output"):
+    for key in ("checkpoint", "params", "tokenizer", "chat_template", "output"):
         if getattr(config, key) is not None:
             setattr(config, key, os.path.expanduser(str(getattr(config, key))))
     config.shards = _positive_int(config.shards, "shards")
@@ -342,6 +346,7 @@ def config_from_flags(args) -> ExportConfig:
         "checkpoint": args.checkpoint,
         "params": args.params,
         "tokenizer": args.tokenizer,
+        "chat_template": args.chat_template,
         "max_seq_len": args.max_seq_len,
         "prefill_len": args.prefill_len,
         "output": args.output,

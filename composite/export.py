@@ -29,8 +29,8 @@ from executorch.runtime import Runtime
 from tqdm import tqdm
 
 import composite
+from composite import chat_template, qnn_host, staging
 from composite import manifest as manifest_schema
-from composite import qnn_host, staging
 from composite.config import ExportConfig, Placement, config_from_flags
 from composite.errors import UserError, exits_cleanly
 from composite.lowering import LoweredShard, embedding, finish, lower_shard
@@ -50,9 +50,17 @@ def parse_args(argv):
     p.add_argument("--shards", type=int, help="number of shards (default 1)")
     p.add_argument("--placement", help="backend per shard, comma separated (xnnpack,portable,qnn), or one for all")
     p.add_argument("--layers-per-shard", help="explicit decoder layers per shard, comma separated, e.g. 0,3,3,0")
-    p.add_argument("--checkpoint", help="Meta .pth/.pt (+ params.json) or Hugging Face folder; none = embedded default")
+    p.add_argument(
+        "--checkpoint",
+        help="Meta .pth/.pt (+ params.json), Hugging Face folder, or llama GGUF file; none = embedded default",
+    )
     p.add_argument("--params", help="params.json for a Meta checkpoint")
     p.add_argument("--tokenizer", help="tokenizer.model (SentencePiece or tiktoken) or tokenizer.json")
+    p.add_argument(
+        "--chat-template",
+        help="Jinja chat template file for --chat, instead of the tokenizer's own (tokenizer_config.json, "
+        "chat_template.jinja, GGUF tokenizer.chat_template)",
+    )
     p.add_argument("--max-seq-len", type=int, help="KV cache length (default 512)")
     p.add_argument("--prefill-len", type=int, help="tokens per prefill call (default 64)")
     p.add_argument(
@@ -93,8 +101,10 @@ def lower_all(
     config: ExportConfig,
     tokenizer: Tokenizer | None,
     folder: Path,
+    bos: int | None = None,
 ) -> tuple[list[dict], dict | None]:
-    """Lower every shard into `folder`; -> (manifest entries, the manifest's qnn summary)."""
+    """Lower every shard into `folder`; -> (manifest entries, the manifest's qnn summary). bos: the
+    id the runners put before a text prompt, which calibration puts before its text too."""
     model = loaded.model
     methods = {DECODE: 1, PREFILL: config.prefill_len}
     io = [{m: shard_io(model.args, spec, n, config.max_seq_len) for m, n in methods.items()} for spec in specs]
@@ -117,7 +127,7 @@ def lower_all(
             for spec, placement in zip(specs, placements)
             if placement.backend == "qnn"
         }
-        qnn = QnnShards(model, modules, jobs, methods, config.max_seq_len, tokenizer)
+        qnn = QnnShards(model, modules, jobs, methods, config.max_seq_len, tokenizer, bos)
     entries, seconds = {}, {}
     for spec, placement in tqdm(list(zip(specs, placements)), desc="lowering shards", unit="shard", file=sys.stderr):
         started = time.perf_counter()
@@ -135,9 +145,14 @@ def lower_all(
     if qnn is None:
         return [entries[i] for i in sorted(entries)], None
     results, summary = qnn.finish({i: names[i] for i in qnn.lowered})
-    for index, (lowered, own_spill_fill, sqnr, io_encodings) in results.items():
+    for index, (lowered, own_spill_fill, (sqnr, worst), io_encodings) in results.items():
         entry = write_shard(folder, specs[index], placements[index], lowered, io[index], seconds[index], io_encodings)
-        entries[index] = {**entry, "spill_fill_bytes": own_spill_fill, "sqnr_db": sqnr}
+        entries[index] = {
+            **entry,
+            "spill_fill_bytes": own_spill_fill,
+            "sqnr_db": sqnr,
+            "sqnr_worst_token_db": worst,
+        }
     return [entries[i] for i in sorted(entries)], summary
 
 
@@ -170,7 +185,12 @@ def write_shard(
 
 
 def build_manifest(
-    loaded: LoadedModel, tokenizer: Tokenizer | None, config: ExportConfig, shards: list[dict], qnn_summary: dict | None
+    loaded: LoadedModel,
+    tokenizer: Tokenizer | None,
+    chat: dict | None,
+    config: ExportConfig,
+    shards: list[dict],
+    qnn_summary: dict | None,
 ) -> dict:
     args = loaded.model.args
     tokenizer_entry = (
@@ -191,16 +211,20 @@ def build_manifest(
         cache_shapes=cache_shapes(args, config.max_seq_len),
         tokenizer=tokenizer_entry,
         bos_id=bos_id(loaded, tokenizer),
-        eos_ids=sorted(set(loaded.eos_ids) | set(tokenizer.eos_ids if tokenizer else ())),
-        chat=(
-            {"template": tokenizer.chat_family, "end_of_turn_id": tokenizer.end_of_turn_id}
-            if tokenizer is not None and tokenizer.chat_family
-            else None
-        ),
+        eos_ids=stop_ids(loaded, tokenizer, chat),
+        chat=chat,
         shards=shards,
         qnn=qnn_summary,
         versions=versions(),
     )
+
+
+def stop_ids(loaded: LoadedModel, tokenizer: Tokenizer | None, chat: dict | None) -> list[int]:
+    """Every id that ends generation: the checkpoint's, the tokenizer's, the chat template's end of turn."""
+    ids = set(loaded.eos_ids) | set(tokenizer.eos_ids if tokenizer else ())
+    if chat is not None:
+        ids.add(chat["end_of_turn_id"])
+    return sorted(ids)
 
 
 def bos_id(loaded: LoadedModel, tokenizer: Tokenizer | None) -> int | None:
@@ -231,8 +255,9 @@ def format_sqnr(db: float | None) -> str:
 
 def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_summary: dict | None) -> None:
     """One row per shard. SQNR (dB, against the float shard on a held-out input) is given for the
-    shard's main output per method, decode/prefill; the manifest has it for every output."""
-    rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "SQNR dB")]
+    shard's main output per method, decode/prefill, over the whole output and for its worst token;
+    the manifest has the first for every output."""
+    rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "SQNR dB", "worst token")]
     for s in shards:
         first, end = s["layers"]
         parts = (
@@ -246,6 +271,9 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
             if "sqnr_db" in s
             else "-"
         )
+        worst = (
+            "/".join(format_sqnr(v) for v in s["sqnr_worst_token_db"].values()) if "sqnr_worst_token_db" in s else "-"
+        )
         rows.append(
             (
                 str(s["index"]),
@@ -255,6 +283,7 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
                 f"{s['size'] / 1e6:.2f} MB",
                 f"{s['export_seconds']:.1f}",
                 sqnr,
+                worst,
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -286,6 +315,8 @@ def run_export(config: ExportConfig) -> Path:
     staging.check_output(output)
     if config.tokenizer:
         Tokenizer(Path(config.tokenizer))  # refuse a bad tokenizer before the weights load
+    if config.chat_template:
+        chat_template.read_template_file(Path(config.chat_template))
     folder = staging.make_staging(output)
     try:
         loaded = load_checkpoint(config.checkpoint, config.params)
@@ -294,10 +325,14 @@ def run_export(config: ExportConfig) -> Path:
         if config.embedding_bits_and_group() is not None:
             embedding.check(loaded.model.args.dim, *config.embedding_bits_and_group())
         tokenizer = tokenizer_for_model(config.tokenizer or loaded.tokenizer_path, loaded.model.args.vocab_size)
-        shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, folder)
+        first_bos = bos_id(loaded, tokenizer)
+        chat = chat_template.chat_entry(
+            tokenizer, first_bos, stop_ids(loaded, tokenizer, None), config.chat_template, loaded.chat_template
+        )
+        shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, folder, first_bos)
         if tokenizer is not None:
             (folder / tokenizer.path.name).write_bytes(tokenizer.path.read_bytes())
-        manifest_schema.write(folder, build_manifest(loaded, tokenizer, config, shards, qnn_summary))
+        manifest_schema.write(folder, build_manifest(loaded, tokenizer, chat, config, shards, qnn_summary))
         staging.replace_folder(folder, output)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)

@@ -4,15 +4,15 @@ This module describes it (below), writes it (`shard_entry`, `document`, `write`)
 (`read`, `parse`); runner_cpp/manifest.cpp reads it too, with the same checks and messages
 (tests/manifests holds cases both must judge alike).
 
-Schema, version 1. [R] = read and checked by both runners; the rest is written for people and
+Schema, version 2. [R] = read and checked by both runners; the rest is written for people and
 tools (the runners ignore it). Every key is written by every export unless marked optional.
 {
-  "format": "composite-manifest", "version": 1,                                   [R]
+  "format": "composite-manifest", "version": 2,                                   [R]
   "export_id": str,              # random per export; the .pte files carry no id, so   [R: present]
                                  # runners match files by size/sha256 against this manifest
   "model": {dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size,             [R: these six]
             hidden_dim, norm_eps, rope_theta, rope_scaling, tie_embeddings},
-  "source": {"kind": "embedded" | "meta" | "hf", "path": str | null},
+  "source": {"kind": "embedded" | "meta" | "hf" | "gguf", "path": str | null},
   "max_seq_len": int,            # cache slots; positions 0 .. max_seq_len-1          [R]
   "methods": {"decode": 1, "prefill": int},   # method name -> tokens per call       [R]
   "kv_cache": {                                                                     [R: dtype, shapes]
@@ -29,9 +29,18 @@ tools (the runners ignore it). Every key is written by every export unless marke
   "bos_id": int | null, "eos_ids": [int],                                          [R]
                                  # eos_ids: every id that ends generation (the tokenizer's eos,
                                  # end of turn, generation_config.json's eos_token_id list)
-  "chat": {"template": "llama3" | "llama2", "end_of_turn_id": int} | null,        [R: optional]
-                                 # the family's chat template, decided at export from the
-                                 # tokenizer; end_of_turn_id closes an assistant turn
+  "chat": {                      # the model's chat template as text around each   [R: optional]
+                                 # message (composite/chat_template.py renders and checks it):
+     "source": str,              # where the template came from
+     "system_prefix": str | null, "system_suffix": str | null,   # around a system message;
+                                 # null: the template has no system role
+     "first_user_prefix": str,   # before the first user message when there is no system message
+     "user_prefix": str,         # after the end of turn that closes an answer, before the next
+                                 # user message
+     "user_suffix": str,         # after a user message, up to where the answer begins
+     "end_of_turn_id": int,      # closes an answer; one of eos_ids
+     "trim": ["system" | "user"] # roles whose messages are trimmed of surrounding whitespace
+  } | null,
   "shards": [{                                                                     [R: non-empty]
      "index": int, "file": str (no '/'), "sha256": str, "size": int,              [R]
      "layers": [first, end),     # decoder layers, end exclusive; continuous over  [R]
@@ -55,6 +64,9 @@ tools (the runners ignore it). Every key is written by every export unless marke
                                  # load such a shard, so runners there refuse it
      "sqnr_db": {method: {output name: float | null}}   # optional, QNN shards: against the
                                  # float shard on held-out input; null = exact (no error)
+     "sqnr_worst_token_db": {method: float | null}    # optional, QNN shards: the same for
+                                 # the main output's worst token (a massive activation on one
+                                 # token dominates the whole tensor's figure)
   }],
   "qnn": {"build_id": str, "spill_fill_bytes": int,                               [R: C++]
           "libraries": str, "calibration_seconds": float | null} | null,
@@ -79,12 +91,12 @@ from pathlib import Path
 from composite.errors import UserError
 
 FORMAT = "composite-manifest"
-VERSION = 1
+VERSION = 2
 FILENAME = "manifest.json"
 FLOAT32_MAX = 3.4028234663852886e38
 MASK_HIDDEN = -30000.0  # finite so fp16 backends represent it; exp() of it is 0 in fp32
 DECODE, PREFILL = "decode", "prefill"
-CHAT_TEMPLATES = ("llama3", "llama2")  # runner_cpp/chat.cpp and composite/runtime/chat.py render them
+CHAT_TRIM_ROLES = ("system", "user")
 
 # The dtypes the manifest names, as torch spells them and as ExecuTorch's ScalarType numbers them
 # (runner_cpp/shard_chain.cpp maps the same names for the C++ runtime).
@@ -434,12 +446,11 @@ def parse(text: str, folder: str) -> dict:
     bos = _require(j, "bos_id", where)
     if bos is not None:
         _integer(bos, f"{where} bos_id", 64)
-    _integers(_require(j, "eos_ids", where), f"{where} eos_ids")
-    chat = j.get("chat")
-    if chat is not None:
-        if _require_text(chat, "template", f"{where} chat") not in CHAT_TEMPLATES:
-            raise UserError(f"{where}: chat template must be one of {', '.join(CHAT_TEMPLATES)}")
-        _integer(_require(chat, "end_of_turn_id", f"{where} chat"), f"{where} chat end_of_turn_id", 64)
+    eos_ids = _integers(_require(j, "eos_ids", where), f"{where} eos_ids")
+    if j.get("chat") is not None:
+        end_of_turn = check_chat(j["chat"], f"{where} chat")
+        if end_of_turn not in eos_ids:
+            raise UserError(f"{where} chat: end_of_turn_id {end_of_turn} is not one of eos_ids")
     shards = _require(j, "shards", where)
     if not isinstance(shards, list) or not shards:
         raise UserError(f"{where}: 'shards' must be a non-empty list")
@@ -488,6 +499,23 @@ def parse(text: str, folder: str) -> dict:
         _require_text(j["qnn"], "build_id", f"{where} qnn")
         _integer(_require(j["qnn"], "spill_fill_bytes", f"{where} qnn"), f"{where} qnn spill_fill_bytes", 64)
     return j
+
+
+def check_chat(chat, where: str) -> int:
+    """A "chat" entry (the manifest's, or a runner's --chat_template file); -> its end_of_turn_id."""
+    for key in ("source", "first_user_prefix", "user_prefix", "user_suffix"):
+        _require_text(chat, key, where)
+    system = [_require(chat, key, where) for key in ("system_prefix", "system_suffix")]
+    for key, value in zip(("system_prefix", "system_suffix"), system):
+        if value is not None:
+            _text(value, f"{where} '{key}'")
+    if (system[0] is None) != (system[1] is None):
+        raise UserError(f"{where}: system_prefix and system_suffix must both be text or both null")
+    end_of_turn = _integer(_require(chat, "end_of_turn_id", where), f"{where} end_of_turn_id", 64)
+    trim = _require(chat, "trim", where)
+    if not isinstance(trim, list) or not all(role in CHAT_TRIM_ROLES for role in trim):
+        raise UserError(f"{where} 'trim' must be a list of roles (system, user), got {_dump(trim)}")
+    return end_of_turn
 
 
 def weight_shared_shards(manifest: dict) -> list[int]:

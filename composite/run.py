@@ -16,13 +16,13 @@ import json
 import platform
 from pathlib import Path
 
+from composite import chat_template, qnn_host
 from composite import manifest as manifest_schema
-from composite import qnn_host
 from composite.errors import UserError, exits_cleanly
 from composite.runtime.chain import ShardChain
 from composite.runtime.chat import chat
 from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, Generation, check_lengths, generate, stats
-from composite.runtime.reference import generate_reference, reference_model
+from composite.runtime.reference import generate_reference, reference_chain, reference_model
 from composite.runtime.sampler import Sampler, fresh_seed
 from composite.tokenizer import Tokenizer
 
@@ -45,6 +45,11 @@ def parse_args(argv):
     )
     p.add_argument("--system", help="system message of the chat")
     p.add_argument(
+        "--chat-template",
+        "--chat_template",
+        help="the chat's template instead of the export's: a Jinja file, or the JSON composite.chat_template writes",
+    )
+    p.add_argument(
         "--special-as-text",
         "--special_as_text",
         action="store_true",
@@ -65,7 +70,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, help="sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)")
     p.add_argument("--json", action="store_true", help="print the stats (as --stats-json writes them) instead of text")
     p.add_argument("--stats-json", "--stats_json", help="write the run's stats as JSON (composite_runner's schema)")
-    p.add_argument("--reference", action="store_true", help="run the unsplit eager PyTorch model instead")
+    p.add_argument(
+        "--reference", action="store_true", help="run the unsplit eager PyTorch float model instead (--chat too)"
+    )
     p.add_argument("--verify", action="store_true", help="check every shard's sha256 before loading")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
@@ -144,8 +151,10 @@ def main(argv=None) -> None:
         raise UserError(f"--seed must be in 0 .. 2^64-1, got {args.seed}")
     if args.system is not None and not args.chat:
         raise UserError("--system is for --chat")
-    if args.chat and (args.reference or args.json):
-        raise UserError("--chat runs the export's shards and prints text: drop --reference and --json")
+    if args.chat_template is not None and not args.chat:
+        raise UserError("--chat_template is for --chat")
+    if args.chat and args.json:
+        raise UserError("--chat prints text: drop --json (--stats-json writes the stats)")
     folder = Path(args.artifacts)
     manifest = manifest_schema.read(folder)
     if not args.reference and any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"]):
@@ -158,14 +167,16 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
     tokenizer = load_tokenizer(folder, manifest)
     if tokenizer is None:
         raise UserError("--chat needs a tokenizer, and this export has none")
-    if not manifest.get("chat"):
-        raise UserError("this export records no chat template (its tokenizer is of no known chat family)")
+    if args.chat_template is not None:
+        chat_entry = chat_template.for_export(Path(args.chat_template), tokenizer, manifest)
+        eos_ids = sorted(set(manifest["eos_ids"]) | {chat_entry["end_of_turn_id"]})
+        manifest = {**manifest, "chat": chat_entry, "eos_ids": eos_ids}
     seq_len = args.seq_len or manifest["max_seq_len"]
     check_lengths([0], args.max_new_tokens, seq_len, manifest["max_seq_len"])
     seed = fresh_seed() if args.seed is None else args.seed
     if args.temperature > 0 and args.seed is None:
         print(f"seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
-    chain = ShardChain(folder, verify=args.verify)
+    chain = reference_chain(manifest) if args.reference else ShardChain(folder, verify=args.verify)
     streams = []
 
     def start_turn(turn: list[int]):
@@ -204,12 +215,12 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
     report = stats(
         last,
         manifest,
-        "composite.run",
-        load_ms=chain.load_seconds * 1e3,
+        "reference" if args.reference else "composite.run",
+        load_ms=getattr(chain, "load_seconds", 0.0) * 1e3,
         threads=None,
         seed=seed,
         peak_rss_mb=peak_rss_mb(),
-        qnn_simulator=has_qnn and platform.machine() == "x86_64",
+        qnn_simulator=has_qnn and not args.reference and platform.machine() == "x86_64",
         turns=[turn.stats() for turn in conversation.turns],
     )
     write_stats(args.stats_json, report)

@@ -33,14 +33,16 @@ def detect_type(path: Path) -> str:
 
 class Tokenizer:
     """encode/decode for the three kinds, with special tokens parsed in text as composite_runner
-    parses them (runner_cpp/tokenizer.cpp); chat_family and stop ids for the manifest."""
+    parses them (runner_cpp/tokenizer.cpp); stop ids for the manifest, and the chat family whose
+    builtin template (composite/chat_template.py) serves when the tokenizer ships none."""
 
     def __init__(self, path: Path, kind: str | None = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(f"tokenizer {self.path} does not exist")
         self.kind = kind or detect_type(self.path)
-        self.end_of_turn_id: int | None = None
+        self.config = hf_tokenizer_config(self.path)  # tokenizer_config.json beside it, or {}
+        self.chat_family: str | None = None
         if self.kind == SENTENCEPIECE:
             import sentencepiece
 
@@ -59,7 +61,7 @@ class Tokenizer:
                 for i in range(self.vocab_size)
                 if self._sp.IsControl(i) or self._sp.IsUnknown(i)
             }
-            self.chat_family, self.end_of_turn_id = "llama2", self._sp.eos_id()
+            self.chat_family = "llama2"
         elif self.kind == TIKTOKEN:
             from pytorch_tokenizers import TiktokenTokenizer
 
@@ -71,7 +73,7 @@ class Tokenizer:
             self.bos_id = self._tt.bos_id
             self.specials = dict(self._tt.special_tokens)
             self.eos_ids = self._stop_ids(self._tt.eos_id)
-            self.chat_family, self.end_of_turn_id = "llama3", self.specials["<|eot_id|>"]
+            self.chat_family = "llama3"
         elif self.kind == HF_JSON:
             from tokenizers import Tokenizer as HfTokenizer
 
@@ -82,18 +84,13 @@ class Tokenizer:
                 raise UserError(f"tokenizer {self.path} is not a valid tokenizer.json: {e}") from None
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
             self.specials = {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
-            config = hf_tokenizer_config(self.path)
-            eos_token = config.get("eos_token")
+            eos_token = self.config.get("eos_token")
             if isinstance(eos_token, dict):  # older configs spell an AddedToken out
                 eos_token = eos_token.get("content")
             eos = self.specials.get(eos_token) if isinstance(eos_token, str) else None
             self.eos_ids = self._stop_ids(eos)
             if "<|start_header_id|>" in self.specials and "<|eot_id|>" in self.specials:
-                self.chat_family, self.end_of_turn_id = "llama3", self.specials["<|eot_id|>"]
-            elif "[INST]" in str(config.get("chat_template", "")) and eos is not None:
-                self.chat_family, self.end_of_turn_id = "llama2", eos
-            else:
-                self.chat_family = None
+                self.chat_family = "llama3"
         else:
             raise UserError(f"unknown tokenizer type '{self.kind}'")
 
@@ -193,9 +190,11 @@ def _pre_tokenizer_types(p, where: str) -> list[str]:
                 f"{where} has a Split pre-tokenizer with behavior {behavior}{inverted}; Isolated and Removed are supported"
             )
         return [kind]
-    if kind == "ByteLevel":
+    if kind in ("ByteLevel", "Digits"):
         return [kind]
-    raise UserError(f"{where} has a {kind or 'malformed'} pre-tokenizer; Split, ByteLevel and Sequence are supported")
+    raise UserError(
+        f"{where} has a {kind or 'malformed'} pre-tokenizer; Split, Digits, ByteLevel and Sequence are supported"
+    )
 
 
 def _tokens_before_text(p, where: str) -> list[int]:
@@ -217,8 +216,10 @@ def _tokens_before_text(p, where: str) -> list[int]:
     raise UserError(f"{where} has a {kind} post-processor; TemplateProcessing, ByteLevel and Sequence are supported")
 
 
-def train_sentencepiece(text: str, vocab_size: int) -> bytes:
-    """A byte-fallback BPE model in Llama 2's id conventions (unk 0, bos 1, eos 2), deterministic."""
+def train_sentencepiece(text: str, vocab_size: int, identity_normalization: bool = False) -> bytes:
+    """A byte-fallback BPE model in Llama 2's id conventions (unk 0, bos 1, eos 2), deterministic.
+    identity_normalization: text kept as it is, whitespace runs included, as Llama 2's model has it
+    (else SentencePiece's default NFKC normalization, which folds runs of spaces)."""
     import io
 
     import sentencepiece
@@ -232,6 +233,9 @@ def train_sentencepiece(text: str, vocab_size: int) -> bytes:
         byte_fallback=True,
         character_coverage=1.0,
         split_digits=True,
+        **(
+            {"normalization_rule_name": "identity", "remove_extra_whitespaces": False} if identity_normalization else {}
+        ),
         unk_id=0,
         bos_id=1,
         eos_id=2,

@@ -1,5 +1,5 @@
 // Reads tokenizer.json the way the `tokenizers` library applies it, for the parts a byte-level BPE
-// uses: added tokens, pre-tokenizer (Split / ByteLevel / Sequence), BPE merges by rank, and the
+// uses: added tokens, pre-tokenizer (Split / Digits / ByteLevel / Sequence), BPE merges by rank, and the
 // post-processor's BOS. composite/tokenizer.py refuses at export what this reader would refuse.
 #include "hf_tokenizer.h"
 
@@ -121,6 +121,13 @@ class HfJsonTokenizer : public Tokenizer {
                                            "tokenizer " + path_ + " Split pre-tokenizer");
       step.keep_matches = behavior == "Isolated";
       steps_.push_back(std::move(step));
+    } else if (type == "Digits") {
+      // The tokenizers library's Digits isolates numeric characters (Rust's is_numeric: \p{N}),
+      // each alone or in runs.
+      PreTokenizerStep step;
+      const bool individual = p.value("individual_digits", false);
+      step.split = std::make_unique<Regex>(individual ? R"(\p{N})" : R"(\p{N}+)", false, "Digits pre-tokenizer");
+      steps_.push_back(std::move(step));
     } else if (type == "ByteLevel") {
       PreTokenizerStep step;
       step.add_prefix_space = p.value("add_prefix_space", false);
@@ -129,7 +136,7 @@ class HfJsonTokenizer : public Tokenizer {
       byte_level_ = true;
     } else {
       throw fail("has a " + (type.empty() ? std::string("malformed") : type) +
-                 " pre-tokenizer; Split, ByteLevel and Sequence are supported");
+                 " pre-tokenizer; Split, Digits, ByteLevel and Sequence are supported");
     }
   }
 

@@ -43,7 +43,7 @@ namespace {
 constexpr int kDefaultMaxNewTokens = 128;
 
 struct Options {
-  std::string artifacts, prompt, prompt_file, prompt_ids, stats_json, system;
+  std::string artifacts, prompt, prompt_file, prompt_ids, stats_json, system, chat_template;
   bool has_prompt = false, chat = false, special_as_text = false;
   int seq_len = 0;  // total tokens, prompt included; 0 = max_seq_len
   int max_new_tokens = kDefaultMaxNewTokens;
@@ -69,6 +69,8 @@ const Flag kFlags[] = {
     {"--prompt_ids", "1,2,3", "prompt token ids, used as given"},
     {"--chat", nullptr, "chat in the model's template: user turns from stdin, one per line, until EOF"},
     {"--system", "TEXT", "system message of the chat"},
+    {"--chat_template", "FILE",
+     "the chat's template as composite.chat_template writes it (JSON), instead of the export's"},
     {"--special_as_text", nullptr, "encode special-token strings in the prompt (<|eot_id|>, </s>) as text"},
     {"--max_new_tokens", "N", "stop after N new tokens (default 128)"},
     {"--seq_len", "N", "stop at N tokens in all, prompt included (default: the export's max_seq_len)"},
@@ -176,6 +178,8 @@ Options parse_options(int argc, char** argv) {
   if (!o.chat && prompts != 1) throw RunnerError("give exactly one of --prompt, --prompt_file, --prompt_ids, --chat");
   if (values.count("--system") && !o.chat) throw RunnerError("--system is for --chat");
   if (values.count("--system")) o.system = values["--system"];
+  if (values.count("--chat_template") && !o.chat) throw RunnerError("--chat_template is for --chat");
+  if (values.count("--chat_template")) o.chat_template = values["--chat_template"];
   if (values.count("--prompt")) o.prompt = values["--prompt"], o.has_prompt = true;
   if (values.count("--prompt_file")) o.prompt_file = values["--prompt_file"];
   if (values.count("--prompt_ids")) o.prompt_ids = values["--prompt_ids"];
@@ -307,11 +311,32 @@ class TextPrinter {
   Utf8Stream stream_;
 };
 
+// --chat_template FILE: a "chat" entry as composite.chat_template writes it (JSON); this runner
+// renders no Jinja.
+ChatTemplate read_chat_template(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw RunnerError("cannot read --chat_template " + path);
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::exception&) {
+    throw RunnerError("--chat_template " + path +
+                      " is not JSON: composite_runner renders no Jinja; turn a template into its JSON with "
+                      "python -m composite.chat_template TEMPLATE --artifacts DIR --output chat.json");
+  }
+  try {
+    return parse_chat(doc, "--chat_template " + path);
+  } catch (const nlohmann::json::exception& e) {
+    throw RunnerError("--chat_template " + path + " is malformed: " + e.what());
+  }
+}
+
 // --chat: one user turn per stdin line. The cache keeps the conversation, so each turn prefills
 // only its own tokens; an answer ends at the end of the assistant's turn (any stop id).
-void chat(const Options& o, const Manifest& manifest, const Tokenizer& tokenizer, TokenChain& chain,
-          const Limits& limits, Sampler& sampler, RunInfo& info) {
-  const ChatFormat format{manifest.chat_template, manifest.bos_id, manifest.end_of_turn_id};
+void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format, const Tokenizer& tokenizer,
+          TokenChain& chain, const Limits& limits, Sampler& sampler, RunInfo& info) {
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
   const bool interactive = isatty(STDIN_FILENO);
   auto is_stop = [&](int64_t t) { return std::count(limits.eos_ids.begin(), limits.eos_ids.end(), t) > 0; };
@@ -323,6 +348,7 @@ void chat(const Options& o, const Manifest& manifest, const Tokenizer& tokenizer
   while (true) {
     if (interactive) std::cerr << "> " << std::flush;
     if (!std::getline(std::cin, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // the line's end is not the message's
     if (trimmed(line).empty()) continue;
     std::vector<int64_t> turn = carried;
     const std::vector<int64_t> user = chat_turn_tokens(tokenizer, format, pos == 0, o.system, line);
@@ -375,13 +401,21 @@ int run(int argc, char** argv) {
   std::unique_ptr<Tokenizer> tokenizer;
   if (!manifest.tokenizer_file.empty())
     tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
-  const Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : manifest.max_seq_len, manifest.max_seq_len,
+  Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : manifest.max_seq_len, manifest.max_seq_len,
                       manifest.eos_ids};
   std::vector<int64_t> prompt;
+  ChatTemplate chat_format = manifest.chat;
   if (o.chat) {
     if (!tokenizer) throw RunnerError("--chat needs a tokenizer, and this export has none");
-    if (manifest.chat_template.empty()) {
-      throw RunnerError("this export records no chat template (its tokenizer is of no known chat family)");
+    if (!o.chat_template.empty()) {
+      chat_format = read_chat_template(o.chat_template);
+      if (std::find(limits.eos_ids.begin(), limits.eos_ids.end(), chat_format.end_of_turn_id) == limits.eos_ids.end())
+        limits.eos_ids.push_back(chat_format.end_of_turn_id);
+    } else if (!manifest.has_chat) {
+      throw RunnerError("this export records no chat template (its tokenizer has none): export with --chat-template FILE");
+    }
+    if (!o.system.empty() && !chat_format.has_system) {
+      throw RunnerError("this model's chat template has no system role: drop --system");
     }
     check_limits(1, limits);
   } else {
@@ -400,7 +434,7 @@ int run(int argc, char** argv) {
   }
   Sampler sampler(o.temperature, o.top_p, info.seed);
   if (o.chat) {
-    chat(o, manifest, *tokenizer, chain, limits, sampler, info);
+    chat(o, manifest, chat_format, *tokenizer, chain, limits, sampler, info);
     return 0;
   }
   TextPrinter printer(tokenizer.get(), prompt.back());

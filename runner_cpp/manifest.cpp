@@ -19,6 +19,8 @@ namespace composite {
 
 using nlohmann::json;
 
+constexpr int64_t kManifestVersion = 2;  // composite/manifest.py's VERSION
+
 int64_t TensorDesc::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -201,6 +203,36 @@ std::vector<TensorDesc> parse_tensors(const json& list, const std::string& where
 
 }  // namespace
 
+ChatTemplate parse_chat(const json& chat, const std::string& where) {
+  ChatTemplate t;
+  t.source = require_text(chat, "source", where);
+  t.first_user_prefix = require_text(chat, "first_user_prefix", where);
+  t.user_prefix = require_text(chat, "user_prefix", where);
+  t.user_suffix = require_text(chat, "user_suffix", where);
+  const json& system_prefix = require(chat, "system_prefix", where);
+  const json& system_suffix = require(chat, "system_suffix", where);
+  if (!system_prefix.is_null()) t.system_prefix = as_text(system_prefix, where + " 'system_prefix'");
+  if (!system_suffix.is_null()) t.system_suffix = as_text(system_suffix, where + " 'system_suffix'");
+  if (system_prefix.is_null() != system_suffix.is_null()) {
+    throw RunnerError(where + ": system_prefix and system_suffix must both be text or both null");
+  }
+  t.has_system = !system_prefix.is_null();
+  t.end_of_turn_id = integer<int64_t>(require(chat, "end_of_turn_id", where), where + " end_of_turn_id");
+  const json& trim = require(chat, "trim", where);
+  bool valid = trim.is_array();
+  for (const json& role : valid ? trim : json::array()) {
+    if (role == "system") {
+      t.trim_system = true;
+    } else if (role == "user") {
+      t.trim_user = true;
+    } else {
+      valid = false;
+    }
+  }
+  if (!valid) throw RunnerError(where + " 'trim' must be a list of roles (system, user), got " + trim.dump());
+  return t;
+}
+
 Manifest parse_manifest(const std::string& text, const std::string& folder) {
   const std::string where = folder + "/manifest.json";
   json j;
@@ -214,8 +246,9 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
       throw RunnerError(where + " is not a composite manifest");
     }
     const json version = j.value("version", json());
-    if (!version.is_number_integer() || version.get<int64_t>() != 1) {
-      throw RunnerError(where + ": manifest version " + version.dump() + " is not supported (this runner reads 1)");
+    if (!version.is_number_integer() || version.get<int64_t>() != kManifestVersion) {
+      throw RunnerError(where + ": manifest version " + version.dump() + " is not supported (this runner reads " +
+                        std::to_string(kManifestVersion) + ")");
     }
     Manifest m;
     m.folder = folder;
@@ -265,12 +298,12 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     m.bos_id = bos.is_null() ? -1 : integer<int64_t>(bos, where + " bos_id");
     m.eos_ids = integers<int64_t>(require(j, "eos_ids", where), where + " eos_ids");
     if (j.contains("chat") && !j["chat"].is_null()) {
-      m.chat_template = require_text(j["chat"], "template", where + " chat");
-      if (m.chat_template != "llama3" && m.chat_template != "llama2") {
-        throw RunnerError(where + ": chat template must be one of llama3, llama2");
+      m.chat = parse_chat(j["chat"], where + " chat");
+      m.has_chat = true;
+      if (std::find(m.eos_ids.begin(), m.eos_ids.end(), m.chat.end_of_turn_id) == m.eos_ids.end()) {
+        throw RunnerError(where + " chat: end_of_turn_id " + std::to_string(m.chat.end_of_turn_id) +
+                          " is not one of eos_ids");
       }
-      m.end_of_turn_id =
-          integer<int64_t>(require(j["chat"], "end_of_turn_id", where + " chat"), where + " chat end_of_turn_id");
     }
     const json& shards = require(j, "shards", where);
     if (!shards.is_array() || shards.empty()) throw RunnerError(where + ": 'shards' must be a non-empty list");

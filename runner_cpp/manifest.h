@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace composite {
 
 struct TensorDesc {
@@ -44,6 +46,19 @@ struct ShardInfo {
   bool has_layers() const { return layer_end > layer_first; }
 };
 
+// The model's chat template as text around each message (the manifest's "chat" entry, rendered
+// from the template's Jinja at export by composite/chat_template.py).
+struct ChatTemplate {
+  std::string source;
+  bool has_system = false;  // false: the template has no system role
+  std::string system_prefix, system_suffix;
+  std::string first_user_prefix;  // before the first user message when there is no system message
+  std::string user_prefix;        // after the end of turn closing an answer, before the next user message
+  std::string user_suffix;        // after a user message, up to where the answer begins
+  int64_t end_of_turn_id = -1;
+  bool trim_system = false, trim_user = false;
+};
+
 struct Manifest {
   std::string folder;
   int dim = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, vocab_size = 0;
@@ -54,8 +69,8 @@ struct Manifest {
   std::string tokenizer_file, tokenizer_type;  // empty when the export has no tokenizer
   int64_t bos_id = -1;
   std::vector<int64_t> eos_ids;  // every id that ends generation
-  std::string chat_template;     // "llama3", "llama2"; empty when the export records none
-  int64_t end_of_turn_id = -1;
+  bool has_chat = false;         // false: the export records no chat template
+  ChatTemplate chat;
   std::vector<ShardInfo> shards;
   std::string qnn_build_id;  // QNN libraries the QNN shards were compiled with; empty if none
 
@@ -65,6 +80,9 @@ struct Manifest {
 // Parses and checks structure; throws RunnerError naming the manifest and the problem.
 Manifest load_manifest(const std::string& folder);
 Manifest parse_manifest(const std::string& json_text, const std::string& folder);
+
+// A "chat" entry: the manifest's, or a runner's --chat_template file.
+ChatTemplate parse_chat(const nlohmann::json& chat, const std::string& where);
 
 // Every shard file exists with its recorded size; with verify_sha256, its hash matches too.
 void check_files(const Manifest& manifest, bool verify_sha256);

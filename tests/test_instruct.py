@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from composite.chat_template import conversation as chat_messages
 from composite.model.default import corpus_text
 from composite.tokenizer import Tokenizer
 from conftest import (
-    MAX_SEQ_LEN,
     RUNNER,
     assert_clean_failure,
     export,
@@ -43,8 +43,9 @@ CHAT_TEMPLATE = (
     " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
+CHAT_SEQ_LEN = 160  # three turns of chat
 SYSTEM = "You are a terse robot."
-TURNS = ["Tell me about the little robot.", "  And then?  "]
+TURNS = ["Tell me about the little robot.", "  And then?  ", "Why?"]
 TEXTS = [
     "Once upon a time there was a little robot.",
     "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>",
@@ -109,7 +110,7 @@ def instruct_folder(workdir):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_SEQ_LEN,
+        max_position_embeddings=CHAT_SEQ_LEN,
         tie_word_embeddings=False,
         rope_theta=500000.0,
         bos_token_id=ids["<|begin_of_text|>"],
@@ -150,28 +151,33 @@ def template_ids(folder: Path, conversation: list[dict]) -> list[int]:
 
 
 def messages(*turns: str, answers: tuple[str, ...] = ()) -> list[dict]:
-    out = [{"role": "system", "content": SYSTEM}]
-    for i, turn in enumerate(turns):
-        out.append({"role": "user", "content": turn})
-        if i < len(answers):
-            out.append({"role": "assistant", "content": answers[i]})
-    return out
+    return chat_messages(SYSTEM, list(turns), list(answers))
 
 
 @pytest.fixture(scope="session")
 def instruct_export(workdir, instruct_folder):
     _, folder, _ = instruct_folder
-    return export(workdir / "instruct_export", shards=2, checkpoint=str(folder))
+    return export(workdir / "instruct_export", shards=2, checkpoint=str(folder), max_seq_len=CHAT_SEQ_LEN)
 
 
-def test_manifest_records_the_tokenizer_stops_and_chat_family(instruct_export, instruct_folder):
-    _, _, ids = instruct_folder
+def test_manifest_records_the_tokenizer_stops_and_chat_template(instruct_export, instruct_folder):
+    _, folder, ids = instruct_folder
     manifest = json.loads((instruct_export / "manifest.json").read_text())
     assert manifest["tokenizer"]["type"] == "hf_json"
     assert manifest["bos_id"] == ids["<|begin_of_text|>"]
     # config.json names one eos; generation_config.json the three Llama 3 Instruct stops.
     assert manifest["eos_ids"] == sorted([ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]])
-    assert manifest["chat"] == {"template": "llama3", "end_of_turn_id": ids["<|eot_id|>"]}
+    # The template of tokenizer_config.json, as text around each message.
+    assert manifest["chat"] == {
+        "source": f"{folder / 'tokenizer_config.json'} chat_template",
+        "system_prefix": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n",
+        "system_suffix": "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n",
+        "first_user_prefix": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n",
+        "user_suffix": "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        "end_of_turn_id": ids["<|eot_id|>"],
+        "user_prefix": "<|start_header_id|>user<|end_header_id|>\n\n",
+        "trim": ["system", "user"],
+    }
 
 
 @pytest.mark.parametrize("special_as_text", [False, True])
@@ -236,31 +242,32 @@ def run_chat(runner: str, export: Path, stats: Path, *flags: str) -> subprocess.
 
 @pytest.mark.parametrize("runner", ["cpp", "python"])
 def test_chat_builds_the_conversation_apply_chat_template_builds(instruct_export, instruct_folder, runner, tmp_path):
+    """Three turns with a system message. The template renders an answer as text; with empty
+    answers, the tokens around them are the template's own, and each answer's tokens are the
+    model's (what it generated, not re-encoded)."""
     model, folder, ids = instruct_folder
     result = run_chat(runner, instruct_export, tmp_path / "chat.json")
     assert result.returncode == 0, result.stderr
     turns = json.loads((tmp_path / "chat.json").read_text())["turns"]
-    assert len(turns) == 2
-    first, second = turns
-
-    # Turn 1 is the template's opening, up to the assistant header.
-    opening = template_ids(folder, messages(TURNS[0]))
-    assert first["start_pos"] == 0 and first["prompt"] == opening
-    # It ends the assistant's turn itself, with the greedy tokens transformers gives.
-    assert first["stop_reason"] == "eos" and first["tokens"][-1] == ids["<|eot_id|>"]
-    assert first["tokens"] == hf_greedy(model, folder, opening, 8)
-
-    # Turn 2 prefills only its own tokens: the end of turn 1 and the template's next user turn.
-    # The template renders an answer as text; with an empty answer, the tokens around it are the
-    # template's own, and the answer's tokens are the model's (what it generated, not re-encoded).
-    answer = first["tokens"][:-1]
-    in_cache = len(opening) + len(answer)
-    assert second["start_pos"] == in_cache and second["prompt_tokens"] == len(second["prompt"])
-    whole = template_ids(folder, messages(*TURNS, answers=("",)))
-    assert whole[: len(opening)] == opening
-    assert opening + answer + second["prompt"] == opening + answer + whole[len(opening) :]
-    assert second["prompt"][0] == ids["<|eot_id|>"]
-    assert second["stop_reason"] in ("eos", "max_new_tokens")
+    assert len(turns) == 3
+    # Turn 1 is the template's opening, up to the assistant header, and its answer ends the
+    # assistant's turn itself.
+    assert turns[0]["start_pos"] == 0 and turns[0]["prompt"] == template_ids(folder, messages(TURNS[0]))
+    assert turns[0]["stop_reason"] == "eos" and turns[0]["tokens"][-1] == ids["<|eot_id|>"]
+    context, cache = [], []  # the cache's tokens without and with the answers
+    for k, turn in enumerate(turns):
+        assert turn["start_pos"] == len(cache) and turn["prompt_tokens"] == len(turn["prompt"])
+        # Later turns prefill only their own tokens: the end of the answer before, then the
+        # template's next user turn.
+        carried = [] if k == 0 or turns[k - 1]["stop_reason"] == "eos" else turns[k - 1]["tokens"][-1:]
+        assert turn["prompt"][: len(carried)] == carried
+        context += turn["prompt"][len(carried) :]
+        assert context == template_ids(folder, messages(*TURNS[: k + 1], answers=("",) * k)), f"turn {k + 1}"
+        cache += turn["prompt"]
+        # Each answer is transformers' greedy continuation of the same context.
+        assert turn["tokens"] == hf_greedy(model, folder, cache, 8), f"turn {k + 1}"
+        cache += turn["tokens"][:-1]
+    assert turns[1]["prompt"][0] == ids["<|eot_id|>"]
 
 
 def test_both_runners_chat_alike(instruct_export, tmp_path):
@@ -271,7 +278,7 @@ def test_both_runners_chat_alike(instruct_export, tmp_path):
         turns = json.loads((tmp_path / f"{runner}.json").read_text())["turns"]
         outputs[runner] = ([(t["prompt"], t["tokens"], t["stop_reason"]) for t in turns], result.stdout)
     assert outputs["cpp"] == outputs["python"]
-    assert outputs["cpp"][1].count("\n") == 2  # one line of answer per turn
+    assert outputs["cpp"][1].count("\n") == len(TURNS)  # one line of answer per turn
 
 
 @pytest.mark.parametrize("runner", ["cpp", "python"])
@@ -326,7 +333,7 @@ def test_an_answer_cut_short_keeps_its_last_token(instruct_export, instruct_fold
     _, _, ids = instruct_folder
     result = run_chat(runner, instruct_export, tmp_path / "short.json", "--max_new_tokens", "1")
     assert result.returncode == 0, result.stderr
-    first, second = json.loads((tmp_path / "short.json").read_text())["turns"]
+    first, second, _ = json.loads((tmp_path / "short.json").read_text())["turns"]
     assert first["stop_reason"] == "max_new_tokens" and len(first["tokens"]) == 1
     assert second["start_pos"] == len(first["prompt"])
     assert second["prompt"][:2] == [first["tokens"][0], ids["<|eot_id|>"]]

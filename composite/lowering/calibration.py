@@ -67,12 +67,15 @@ def calibrate(
     max_seq_len: int,
     options: dict,
     tokenizer,
+    bos_id: int | None = None,
 ) -> dict[int, dict[str, tuple]]:
     """Push calibration text through the float chain; each consumer gets every input its shard
     receives, as it arrives (nothing is stored: decode inputs carry whole KV caches). `samples`
     prefill calls are made, and as many decode calls as that covers tokens (samples x prefill
-    width), since one decode call sees a single token. Returns one further input per shard and
-    method, from text the consumers never saw, for measuring the lowered shard."""
+    width), since one decode call sees a single token. Every pass starts a sequence as the runners
+    do, with `bos_id` when the export adds one: trained models put their largest activations on a
+    sequence's first token. Returns one further input per shard and method, from text the
+    consumers never saw, for measuring the lowered shard."""
     width = methods[PREFILL]
     prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
     decode_calls = prefill_calls * width
@@ -112,7 +115,10 @@ def calibrate(
         chain.reset()
         pos = 0
         for _ in range(chunks):
-            chain.forward(PREFILL, stream[cursor : cursor + width], pos)
+            chunk = stream[cursor : cursor + width]
+            if pos == 0 and bos_id is not None:
+                chunk = [bos_id, *chunk[:-1]]
+            chain.forward(PREFILL, chunk, pos)
             pos += width
             cursor += width
             progress.update()

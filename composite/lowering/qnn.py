@@ -273,16 +273,17 @@ class QnnShards:
         methods: dict[str, int],
         max_seq_len: int,
         tokenizer,
+        bos_id: int | None = None,
     ):
         self.modules, self.jobs = modules, jobs
         self.lowered: dict[int, tuple] = {}  # shard index -> (edge program, notes, twin), until finish()
         started = time.perf_counter()
-        self.held_out = self._calibrate(model, methods, max_seq_len, tokenizer)
+        self.held_out = self._calibrate(model, methods, max_seq_len, tokenizer, bos_id)
         self._share_io_ranges()
         quantized = any(job.quantized for job in jobs.values())
         self.calibration_seconds = round(time.perf_counter() - started, 2) if quantized else None
 
-    def _calibrate(self, model, methods: dict[str, int], max_seq_len: int, tokenizer) -> dict[int, dict]:
+    def _calibrate(self, model, methods: dict[str, int], max_seq_len: int, tokenizer, bos_id) -> dict[int, dict]:
         groups: dict[str, dict[int, QnnShardLowering]] = {}
         for index, job in self.jobs.items():
             groups.setdefault(json.dumps(job.options.get("calibration") or {}, sort_keys=True), {})[index] = job
@@ -294,7 +295,7 @@ class QnnShards:
             options = json.loads(key)
             if not any(job.quantized for job in group.values()):
                 options["samples"] = 0  # fp16 shards need only the held-out input, to measure SQNR
-            held_out.update(calibrate(model, self.modules, consumers, methods, max_seq_len, options, tokenizer))
+            held_out.update(calibrate(model, self.modules, consumers, methods, max_seq_len, options, tokenizer, bos_id))
         return held_out
 
     def _share_io_ranges(self) -> None:
@@ -318,8 +319,8 @@ class QnnShards:
 
     def finish(self, io_names: dict[int, dict[str, tuple]]) -> tuple[dict[int, tuple], dict]:
         """io_names: shard index -> method -> (its inputs' names, its outputs' names). -> ({shard index:
-        (LoweredShard, own spill-fill bytes, SQNR per method and output, native I/O encodings per
-        method)}, the manifest's qnn summary)."""
+        (LoweredShard, own spill-fill bytes, (SQNR per method and output, worst-token SQNR per
+        method), native I/O encodings per method)}, the manifest's qnn summary)."""
         indices = sorted(self.lowered)
         shared, own = share_spill_fill([self.lowered[i][0] for i in indices])
         host = qnn_host.prepare()
@@ -339,11 +340,13 @@ class QnnShards:
 
     def measure(
         self, buffer: bytes, index: int, names: dict[str, tuple], io_encodings: dict
-    ) -> dict[str, dict[str, float]]:
-        """method -> output name -> SQNR (dB) of the lowered shard (its .pte bytes) against the float
-        shard, native I/O converted as the runners convert it."""
+    ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        """(method -> output name -> SQNR in dB, method -> SQNR of the main output's worst token)
+        of the lowered shard (its .pte bytes) against the float shard, native I/O converted as the
+        runners convert it. A trained model's residual stream holds single values of ~25,000 on its
+        first token, which dominate a whole tensor's SQNR: the worst token shows the rest."""
         program = Runtime.get().load_program(buffer)
-        result = {}
+        result, worst = {}, {}
         for method in names:  # decode, then prefill, as the manifest lists methods
             inputs = self.held_out[index][method]
             encodings = io_encodings.get(method) or {}
@@ -354,4 +357,6 @@ class QnnShards:
             with torch.no_grad():
                 expected = self.modules[index](*inputs)
             result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected, actual)}
-        return result
+            main_expected, main_actual = expected[0][0], actual[0][0]  # [T, dim or vocab]
+            worst[method] = round(min(sqnr_db(e, a) for e, a in zip(main_expected, main_actual)), 2)
+        return result, worst

@@ -34,8 +34,7 @@ WEIGHT_SCHEMES = {"8da4w": (torch.int4, False), "8da8w": (torch.int8, True)}
 class XnnpackRMSNorm(nn.Module):
     """RMSNorm with mean(x^2) as a matmul by a constant column. XNNPACK has no mean over the
     last dimension of a 3-D tensor; left to ExecuTorch's CPU kernel, every norm would cut a layer
-    into separate delegate calls. x is scaled by 1/sqrt(dim) before it is squared, so that in
-    float16 the squares of values up to 256 * sqrt(dim) do not overflow."""
+    into separate delegate calls. x is scaled by 1/sqrt(dim) before it is squared."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
@@ -48,6 +47,33 @@ class XnnpackRMSNorm(nn.Module):
     def forward(self, x):
         scaled = x * self.scale
         return x * torch.rsqrt((scaled * scaled) @ self.sum_column + self.eps) * self.weight
+
+
+class PeakScaledRMSNorm(nn.Module):
+    """RMSNorm for float16, whose squares overflow past 256: each row is divided by its largest
+    magnitude before it is squared, so no square exceeds 1 and their mean cannot overflow, whatever
+    the activation (trained models carry single values of ~25,000 in their residual stream; any
+    fixed prescale either overflows on those or loses ordinary rows to underflow).
+    x * rsqrt(mean(x^2) + eps) = y * rsqrt(mean(y^2) + (sqrt(eps) / peak)^2) with y = x / peak;
+    the peak's floor of 2^-10 keeps that last term below 11 and rows of zeros finite."""
+
+    PEAK_FLOOR = 2.0**-10
+
+    def __init__(self, norm: RMSNorm | XnnpackRMSNorm):
+        super().__init__()
+        self.weight = norm.weight
+        dim = norm.weight.shape[0]
+        self.register_buffer("mean_column", torch.full((dim, 1), 1.0 / dim), persistent=False)
+        self.register_buffer("sqrt_eps", torch.full((1,), math.sqrt(norm.eps)), persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        # XNNPACK reduces the last dimension of a 4-D tensor only (as a max pooling).
+        peak = torch.max(torch.abs(x).view(b, 1, t, d), dim=3, keepdim=True)[0].view(b, t, 1)
+        peak = torch.clamp(peak, min=self.PEAK_FLOOR)
+        y = x / peak
+        floor = self.sqrt_eps / peak
+        return y * torch.rsqrt((y * y) @ self.mean_column + floor * floor) * self.weight
 
 
 class HalfRope(nn.Module):
@@ -116,10 +142,15 @@ def xnnpack_form(module: nn.Module, attention: str = "graph") -> nn.Module:
 
 
 def half_form(form: nn.Module, has_head: bool) -> nn.Module:
-    """An fp16 copy of an XNNPACK form with float16 native I/O (the caller's form keeps float32)."""
+    """An fp16 copy of an XNNPACK form with float16 native I/O and norms that cannot overflow (the
+    caller's form keeps float32)."""
     inv_freq = form.inv_freq
     half = native_io.HalfIO(copy.deepcopy(form), has_head)
     half.shard.rope = HalfRope(inv_freq)
+    for parent in list(half.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, XnnpackRMSNorm):
+                setattr(parent, name, PeakScaledRMSNorm(child).half())
     return half
 
 

@@ -12,6 +12,7 @@ import torch
 
 from composite.errors import UserError
 from composite.model.default import load_default
+from composite.model.gguf_file import read_gguf
 from composite.model.llama import Transformer
 from composite.model.loaded import LoadedModel
 from composite.model.params import args_from_hf_config, args_from_meta_params, read_json
@@ -192,6 +193,34 @@ def stop_ids(folder: Path, config: dict) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def load_gguf(path: Path) -> LoadedModel:
+    """A llama-architecture GGUF file: q/k rows in llama.cpp's layout, which is Meta's."""
+    gguf = read_gguf(path)
+    weights = gguf.weights
+    for i in range(gguf.args.n_layers):
+        for name, heads in (("wq", gguf.args.n_heads), ("wk", gguf.args.n_kv_heads)):
+            key = f"layers.{i}.attention.{name}.weight"
+            if key in weights and weights[key].shape[0] == heads * gguf.args.head_dim:
+                weights[key] = meta_to_rotate_half(weights[key], heads)
+    model = Transformer(gguf.args)
+    _fit_state_dict(model, weights, str(path), f"{path}'s metadata")
+    for note in gguf.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return LoadedModel(
+        model.eval(), "gguf", str(path), gguf.tokenizer_path, gguf.bos_id, gguf.eos_ids, gguf.chat_template
+    )
+
+
+def is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def load_checkpoint(checkpoint: str | None, params: str | None) -> LoadedModel:
     """The model named by --checkpoint/--params; the embedded default when no checkpoint is given."""
     if checkpoint is None:
@@ -205,4 +234,8 @@ def load_checkpoint(checkpoint: str | None, params: str | None) -> LoadedModel:
         if params is not None:
             raise UserError("--params is for Meta checkpoints; a Hugging Face folder has its config.json")
         return load_hf(path)
+    if path.is_file() and is_gguf(path):
+        if params is not None:
+            raise UserError("--params is for Meta checkpoints; a GGUF file carries its hyper-parameters")
+        return load_gguf(path)
     return load_meta(path, Path(params) if params else None)

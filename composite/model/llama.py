@@ -39,8 +39,9 @@ class ModelArgs:
     head_dim: int = 0  # 0 means dim // n_heads
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # None, {"type": "linear", "factor": f} or {"type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}
+    # None, {"type": "linear", "factor": f}, {"type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} or {"type": "factors", "factors":
+    # [one divisor per frequency]} (GGUF's rope_freqs, llama.cpp's freq_factors)
     rope_scaling: dict | None = field(default=None, hash=False)
     tie_embeddings: bool = False
 
@@ -61,6 +62,8 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
         return inv_freq
     if scaling["type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["type"] == "factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -1,5 +1,6 @@
-"""Chat turns in the template of the model's family (the manifest's "chat" entry), and the chat
-loop: each user turn prefilled after what the cache already holds. runner_cpp/chat.cpp and
+"""Chat turns in the model's own template (the manifest's "chat" entry: the text around each
+message, rendered and checked at export by composite/chat_template.py), and the chat loop: each
+user turn prefilled after what the cache already holds. runner_cpp/chat.cpp and
 runner_cpp/main.cpp (chat) are the C++ twins."""
 
 from __future__ import annotations
@@ -7,33 +8,25 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from composite.chat_template import WHITESPACE
 from composite.errors import UserError
 from composite.runtime.generate import Generation, generate
 
-# What the templates trim from each message (runner_cpp/chat.cpp trims the same ASCII set).
-WHITESPACE = " \t\n\r\f\v"
 
+def turn_tokens(tokenizer, chat: dict, first: bool, system: str | None, user: str) -> list[int]:
+    """The tokens of a user turn, up to where the answer begins. The first turn opens the
+    conversation (with the system message, if any: an empty one is none); a later one first closes
+    the answer before it with the end-of-turn token."""
 
-def _llama3_header(role: str) -> str:
-    return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+    def content(role: str, text: str) -> str:
+        return text.strip(WHITESPACE) if role in chat["trim"] else text
 
-
-def turn_tokens(tokenizer, chat: dict, bos_id: int | None, first: bool, system: str | None, user: str) -> list[int]:
-    """The tokens of a user turn and the assistant header after it. The first turn opens the
-    conversation (BOS, the system message); a later one first closes the assistant turn before it."""
-    ids = [] if first else [chat["end_of_turn_id"]]
-    system = (system or "").strip(WHITESPACE)
-    if chat["template"] == "llama3":
-        if first and bos_id is not None:
-            ids.append(bos_id)
-        text = _llama3_header("system") + system + "<|eot_id|>" if first and system else ""
-        text += _llama3_header("user") + user.strip(WHITESPACE) + "<|eot_id|>" + _llama3_header("assistant")
-    else:  # llama2: every user turn opens with BOS; the system message goes inside the first one
-        if bos_id is not None:
-            ids.append(bos_id)
-        content = f"<<SYS>>\n{system}\n<</SYS>>\n\n{user}" if first and system else user
-        text = f"[INST] {content.strip(WHITESPACE)} [/INST]"
-    return ids + tokenizer.encode(text, bos=False, parse_special=True)
+    if first and system:
+        text = chat["system_prefix"] + content("system", system) + chat["system_suffix"]
+    else:
+        text = chat["first_user_prefix"] if first else chat["user_prefix"]
+    text += content("user", user) + chat["user_suffix"]
+    return ([] if first else [chat["end_of_turn_id"]]) + tokenizer.encode(text, bos=False, parse_special=True)
 
 
 @dataclass
@@ -77,15 +70,20 @@ def chat(
     """One user turn per non-blank line. An answer ends at any stop id; one cut short keeps its
     last token, sampled but not yet in the cache, for the next turn to prefill."""
     if not manifest.get("chat"):
-        raise UserError("this export records no chat template (its tokenizer is of no known chat family)")
+        raise UserError(
+            "this export records no chat template (its tokenizer has none): export with --chat-template FILE"
+        )
+    if system and manifest["chat"]["system_prefix"] is None:
+        raise UserError("this model's chat template has no system role: drop --system")
     stops = set(manifest["eos_ids"])
     conversation = Conversation()
     carried: list[int] = []
     for line in lines:
+        line = line.removesuffix("\n").removesuffix("\r")  # the line's end is not the message's
         if not line.strip(WHITESPACE):
             continue
         first = conversation.in_cache == 0
-        turn = carried + turn_tokens(tokenizer, manifest["chat"], manifest["bos_id"], first, system, line)
+        turn = carried + turn_tokens(tokenizer, manifest["chat"], first, system, line)
         if conversation.in_cache + len(turn) >= seq_len:
             conversation.context_full = (
                 f"the context is full ({conversation.in_cache} of {seq_len} tokens used, this turn needs "

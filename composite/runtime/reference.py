@@ -10,7 +10,17 @@ from composite.errors import UserError
 from composite.model.checkpoint import load_checkpoint
 from composite.model.default import default_model
 from composite.model.llama import ModelArgs, Transformer
+from composite.runtime.chain import eager_chain
 from composite.runtime.generate import Generation, Limits, stop_reason
+from composite.split.plan import plan_shards
+from composite.split.shard import ShardModule
+
+
+def reference_chain(manifest: dict):
+    """The float model as one eager shard with the runners' KV cache, for a --reference chat."""
+    model = reference_model(manifest)
+    spec = plan_shards(model.args, 1)[0]
+    return eager_chain(model, [ShardModule(model, spec).eval()], manifest["methods"], manifest["max_seq_len"])
 
 
 def reference_model(manifest: dict) -> Transformer:

@@ -136,9 +136,23 @@ TEST_F(HfJson, RefusesWhatItDoesNotSupportInOneMessage) {
   refused(json::array({1, 2}), "not a JSON object");
 }
 
-TEST_F(HfJson, ChatTurnsFollowTheLlama3Template) {
+// Llama 3's template as the export renders it into pieces (composite/chat_template.py).
+composite::ChatTemplate llama3_pieces() {
+  composite::ChatTemplate chat;
+  chat.has_system = true;
+  chat.system_prefix = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n";
+  chat.system_suffix = "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n";
+  chat.first_user_prefix = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n";
+  chat.user_prefix = "<|start_header_id|>user<|end_header_id|>\n\n";
+  chat.user_suffix = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n";
+  chat.end_of_turn_id = 101;
+  chat.trim_system = chat.trim_user = true;
+  return chat;
+}
+
+TEST_F(HfJson, ChatTurnsAreTheTemplatesPiecesAroundEachMessage) {
   auto tokenizer = composite::load_tokenizer(path_, "hf_json");
-  const composite::ChatFormat format{"llama3", 98, 101};
+  const composite::ChatTemplate chat = llama3_pieces();
   const auto header = [&](const std::string& role) {
     std::vector<int64_t> ids{99};
     for (int64_t id : tokenizer->encode(role)) ids.push_back(id);
@@ -152,22 +166,47 @@ TEST_F(HfJson, ChatTurnsFollowTheLlama3Template) {
                            tokenizer->encode("c"), std::vector<int64_t>{101}, header("assistant")}) {
     expected.insert(expected.end(), part.begin(), part.end());
   }
-  EXPECT_EQ(composite::chat_turn_tokens(*tokenizer, format, true, " ab\n", " c "), expected);
-  // A later turn closes the assistant's turn first, and has no BOS or system message.
-  const auto later = composite::chat_turn_tokens(*tokenizer, format, false, "ab", "c");
+  EXPECT_EQ(composite::chat_turn_tokens(*tokenizer, chat, true, " ab\n", " c "), expected);
+  // Without a system message the first turn opens with its own prefix.
+  const auto alone = composite::chat_turn_tokens(*tokenizer, chat, true, "", "c");
+  auto opening = std::vector<int64_t>{98};
+  for (int64_t id : header("user")) opening.push_back(id);
+  EXPECT_EQ(std::vector<int64_t>(alone.begin(), alone.begin() + opening.size()), opening);
+  // A later turn closes the answer first, and has no BOS or system message.
+  const auto later = composite::chat_turn_tokens(*tokenizer, chat, false, "ab", "c");
   EXPECT_EQ(later.front(), 101);
   EXPECT_EQ(std::vector<int64_t>(later.begin() + 1, later.begin() + 1 + header("user").size()), header("user"));
-  EXPECT_THROW(composite::chat_turn_tokens(*tokenizer, {"", 98, 101}, true, "", "c"), RunnerError);
 }
 
-TEST_F(HfJson, ChatTurnsFollowTheLlama2Template) {
+TEST_F(HfJson, ChatMessagesKeepTheirWhitespaceWhenTheTemplateDoes) {
   auto tokenizer = composite::load_tokenizer(path_, "hf_json");
-  const composite::ChatFormat format{"llama2", 98, 101};
-  const auto first = composite::chat_turn_tokens(*tokenizer, format, true, "ab", "c");
-  EXPECT_EQ(first.front(), 98);
-  EXPECT_EQ(composite::decode(*tokenizer, {first.begin() + 1, first.end()}),
-            "[INST] <<SYS>>\nab\n<</SYS>>\n\nc [/INST]");
-  const auto later = composite::chat_turn_tokens(*tokenizer, format, false, "ab", "c");
-  EXPECT_EQ((std::vector<int64_t>{later[0], later[1]}), (std::vector<int64_t>{101, 98}));
-  EXPECT_EQ(composite::decode(*tokenizer, {later.begin() + 2, later.end()}), "[INST] c [/INST]");
+  composite::ChatTemplate chat = llama3_pieces();
+  chat.trim_user = false;
+  const auto kept = composite::chat_turn_tokens(*tokenizer, chat, false, "", " c");
+  EXPECT_EQ(composite::decode(*tokenizer, {kept.begin() + 1, kept.end()}), "user\n\n cassistant\n\n");  // special tokens are not decoded
+}
+
+TEST(Chat, TrimsWhatPythonsStripTrims) {
+  EXPECT_EQ(composite::trimmed(" \t\n\r\x0b\x0c" "ab c\x1c\x1d\x1e\x1f"), "ab c");
+  // U+00A0, U+2003, U+3000 and U+2029 around the text; U+00E9 and U+4E2D are kept.
+  EXPECT_EQ(composite::trimmed("\xC2\xA0\xE2\x80\x83" "caf\xC3\xA9 \xE4\xB8\xAD\xE3\x80\x80\xE2\x80\xA9"),
+            "caf\xC3\xA9 \xE4\xB8\xAD");
+  EXPECT_EQ(composite::trimmed("\xC2\x85 \xE1\x9A\x80"), "");
+  // U+200B (zero width space) is not whitespace to Python either.
+  EXPECT_EQ(composite::trimmed("\xE2\x80\x8B" "a"), "\xE2\x80\x8B" "a");
+}
+
+TEST_F(HfJson, DigitsPreTokenizerIsolatesEachDigit) {
+  json doc = small_tokenizer();
+  doc["model"]["vocab"]["12"] = 102;
+  doc["model"]["merges"].push_back("1 2");
+  doc["pre_tokenizer"]["pretokenizers"][0] = {{"type", "Digits"}, {"individual_digits", true}};
+  const std::string path = write_json(doc);
+  auto tokenizer = composite::load_tokenizer(path, "hf_json");
+  EXPECT_EQ(tokenizer->encode("12", false), (std::vector<int64_t>{16, 17}));
+  doc["pre_tokenizer"]["pretokenizers"][0]["individual_digits"] = false;
+  const std::string grouped = write_json(doc);
+  EXPECT_EQ(composite::load_tokenizer(grouped, "hf_json")->encode("12", false), (std::vector<int64_t>{102}));
+  std::remove(path.c_str());
+  std::remove(grouped.c_str());
 }

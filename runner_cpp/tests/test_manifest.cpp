@@ -28,7 +28,7 @@ json valid() {
   json io1 = {{"decode", {{"inputs", {tensor("hidden", {1, 1, 8})}}, {"outputs", {tensor("logits", {1, 1, 10})}}}}};
   return {
       {"format", "composite-manifest"},
-      {"version", 1},
+      {"version", 2},
       {"export_id", "x"},
       {"model", {{"dim", 8}, {"n_layers", 1}, {"n_heads", 2}, {"n_kv_heads", 1}, {"head_dim", 4}, {"vocab_size", 10}}},
       {"max_seq_len", 16},
