@@ -18,6 +18,9 @@ setup(
         "pytorch-tokenizers",
         "tokenizers",  # tokenizer.json, in composite.run as in transformers
         "sentencepiece",
+        "protobuf",  # SentencePiece's model format, written from a GGUF vocabulary
+        "gguf",  # ggml-org's reader: GGUF checkpoints
+        "jinja2",  # chat templates, rendered as transformers renders them
         "safetensors",
         "pyyaml",
         "tqdm",
@@ -25,5 +28,6 @@ setup(
         "cmake>=3.28",
         "pyelftools",  # composite.deploy reads the runner's shared-library closure
     ],
-    extras_require={"test": ["pytest", "transformers", "ruff==0.17.6"]},
+    # transformers reads GGUF files with gguf and accelerate: the tests' reference for them.
+    extras_require={"test": ["pytest", "transformers", "accelerate", "ruff==0.17.6"]},
 )
