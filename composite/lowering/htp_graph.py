@@ -6,7 +6,8 @@ Same weights, same function, different graph:
   does not apply to this model and crashes the x86 simulator when it does);
 - RMSNorm as one `rms_norm` op, which QNN runs as a single RmsNorm node: a quantized graph then
   never materialises x², whose range is what breaks 16-bit fixed point;
-- the additive mask clamped to [-32, 0] before it meets the scores (see HtpAttention);
+- in quantized graphs, the additive mask clamped to [-255, 0] before it meets the scores (see
+  HtpAttention);
 - rotary cos/sin looked up in a precomputed table rather than computed from the position: in a
   quantized graph the angle (position x frequency) would be quantized over the positions seen in
   calibration only, and positions beyond them would get wrong rotations;
@@ -40,7 +41,11 @@ class RopeTable(nn.Module):
         return self.cos_table[input_pos], self.sin_table[input_pos]
 
 
-MASK_FLOOR = -32.0
+# The lowest mask value a quantized graph sees: ExecuTorch's Qualcomm llama uses the same. A
+# trained model's attention scores span tens (SmolLM2-135M: beyond +-50), so a masked score must
+# sit far below the lowest visible one; a floor of -32 let masked slots win in some of SmolLM2's
+# heads ("L'Étoile, la Cité" for "Paris").
+QUANTIZED_MASK_FLOOR = -255.0
 
 
 class HtpRMSNorm(nn.Module):
@@ -64,10 +69,12 @@ def _split_rows(linear: nn.Linear, parts: int) -> nn.ModuleList:
 
 
 class HtpAttention(nn.Module):
-    """Attention.forward with one projection and one score matmul per head (same I/O contract)."""
+    """Attention.forward with one projection and one score matmul per head (same I/O contract).
+    mask_floor: None keeps the runner's mask as it is (float16 graphs represent -30000)."""
 
-    def __init__(self, attention: Attention):
+    def __init__(self, attention: Attention, mask_floor: float | None = None):
         super().__init__()
+        self.mask_floor = mask_floor
         self.n_heads, self.n_kv_heads, self.head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
         self.wq = _split_rows(attention.wq, self.n_heads)
         self.wk = _split_rows(attention.wk, self.n_kv_heads)
@@ -79,10 +86,11 @@ class HtpAttention(nn.Module):
         s = k_cache.shape[-1]
         rep = self.n_heads // self.n_kv_heads
         scale = 1.0 / math.sqrt(self.head_dim)
-        # The runner's "hidden" value (-30000) would stretch the quantization range of the masked
-        # scores until visible scores lose their resolution; anything below -32 is already zero
-        # after softmax, so only [-32, 0] reaches the scores.
-        mask = torch.clamp(mask.view(t, s + t), min=MASK_FLOOR)
+        # In a quantized graph the runner's "hidden" value (-30000) would stretch the quantization
+        # range of the masked scores until visible scores lose their resolution.
+        mask = mask.view(t, s + t)
+        if self.mask_floor is not None:
+            mask = torch.clamp(mask, min=self.mask_floor)
         k_news, v_news, outputs = [], [], []
         for g in range(self.n_kv_heads):
             k = apply_rope(self.wk[g](x), cos, sin)  # [b, t, hd]
@@ -99,17 +107,20 @@ class HtpAttention(nn.Module):
         return out, torch.cat(k_news, dim=0), torch.cat(v_news, dim=0)
 
 
-def htp_form(shard: nn.Module, n_positions: int, linear_as_conv: bool = True) -> nn.Module:
+def htp_form(
+    shard: nn.Module, n_positions: int, linear_as_conv: bool = True, mask_floor: float | None = None
+) -> nn.Module:
     """A copy of `shard` in the HTP-friendly form; the caller's module is left as it was.
     n_positions: how many positions the rotary table covers (cache length + widest call).
-    linear_as_conv=False keeps Linear modules, e.g. when linears are to be left to XNNPACK."""
+    linear_as_conv=False keeps Linear modules, e.g. when linears are to be left to XNNPACK.
+    mask_floor: the lowest mask value the scores see (quantized graphs: QUANTIZED_MASK_FLOOR)."""
     from executorch.backends.qualcomm.utils.utils import convert_linear_to_conv2d
 
     shard = copy.deepcopy(shard)
     if len(shard.layers):
         shard.rope = RopeTable(shard.inv_freq, n_positions)
     for layer in shard.layers.values():
-        layer.attention = HtpAttention(layer.attention)
+        layer.attention = HtpAttention(layer.attention, mask_floor)
         layer.attention_norm = HtpRMSNorm(layer.attention_norm)
         layer.ffn_norm = HtpRMSNorm(layer.ffn_norm)
     if getattr(shard, "norm", None) is not None:

@@ -21,7 +21,7 @@ from composite import qnn_host
 from composite.errors import UserError
 from composite.lowering import native_io
 from composite.lowering.calibration import calibrate, sqnr_db
-from composite.lowering.htp_graph import htp_form
+from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
 from composite.lowering.program import finish
 from composite.runtime.encoding import convert
 
@@ -98,7 +98,12 @@ class QnnShardLowering:
         self.io_encodings: dict[str, dict] = {method: {} for method in example_inputs}
         self.skip_ops = skipped_op_set(options)
         self.skip_ids = set(options.get("skip_node_ids") or [])
-        htp = htp_form(module, n_positions, linear_as_conv="aten.linear.default" not in self.skip_ops).eval()
+        htp = htp_form(
+            module,
+            n_positions,
+            linear_as_conv="aten.linear.default" not in self.skip_ops,
+            mask_floor=None if options["precision"] == "fp16" else QUANTIZED_MASK_FLOOR,
+        ).eval()
         self.calibrated = {method: 0 for method in example_inputs}
         if options["precision"] == "fp16":
             if self.native_io:
