@@ -10,10 +10,11 @@ size_t whitespace_at(const std::string& text, size_t at) {
   const unsigned b0 = byte(at);
   if ((b0 >= 0x09 && b0 <= 0x0d) || (b0 >= 0x1c && b0 <= 0x20)) return 1;
   if (b0 == 0xc2 && (byte(at + 1) == 0x85 || byte(at + 1) == 0xa0)) return 2;  // U+0085, U+00A0
-  if (b0 == 0xe1 && byte(at + 1) == 0x9a && byte(at + 2) == 0x80) return 3;     // U+1680
+  if (b0 == 0xe1 && byte(at + 1) == 0x9a && byte(at + 2) == 0x80) return 3;    // U+1680
   if (b0 == 0xe2 && byte(at + 1) == 0x80) {
     const unsigned b2 = byte(at + 2);
-    if ((b2 >= 0x80 && b2 <= 0x8a) || b2 == 0xa8 || b2 == 0xa9 || b2 == 0xaf) return 3;  // U+2000-200A, 2028, 2029, 202F
+    if ((b2 >= 0x80 && b2 <= 0x8a) || b2 == 0xa8 || b2 == 0xa9 || b2 == 0xaf)
+      return 3;  // U+2000-200A, 2028, 2029, 202F
   }
   if (b0 == 0xe2 && byte(at + 1) == 0x81 && byte(at + 2) == 0x9f) return 3;  // U+205F
   if (b0 == 0xe3 && byte(at + 1) == 0x80 && byte(at + 2) == 0x80) return 3;  // U+3000

@@ -183,17 +183,24 @@ TEST_F(HfJson, ChatMessagesKeepTheirWhitespaceWhenTheTemplateDoes) {
   composite::ChatTemplate chat = llama3_pieces();
   chat.trim_user = false;
   const auto kept = composite::chat_turn_tokens(*tokenizer, chat, false, "", " c");
-  EXPECT_EQ(composite::decode(*tokenizer, {kept.begin() + 1, kept.end()}), "user\n\n cassistant\n\n");  // special tokens are not decoded
+  EXPECT_EQ(composite::decode(*tokenizer, {kept.begin() + 1, kept.end()}),
+            "user\n\n cassistant\n\n");  // special tokens are not decoded
 }
 
 TEST(Chat, TrimsWhatPythonsStripTrims) {
-  EXPECT_EQ(composite::trimmed(" \t\n\r\x0b\x0c" "ab c\x1c\x1d\x1e\x1f"), "ab c");
+  EXPECT_EQ(composite::trimmed(" \t\n\r\x0b\x0c"
+                               "ab c\x1c\x1d\x1e\x1f"),
+            "ab c");
   // U+00A0, U+2003, U+3000 and U+2029 around the text; U+00E9 and U+4E2D are kept.
-  EXPECT_EQ(composite::trimmed("\xC2\xA0\xE2\x80\x83" "caf\xC3\xA9 \xE4\xB8\xAD\xE3\x80\x80\xE2\x80\xA9"),
+  EXPECT_EQ(composite::trimmed("\xC2\xA0\xE2\x80\x83"
+                               "caf\xC3\xA9 \xE4\xB8\xAD\xE3\x80\x80\xE2\x80\xA9"),
             "caf\xC3\xA9 \xE4\xB8\xAD");
   EXPECT_EQ(composite::trimmed("\xC2\x85 \xE1\x9A\x80"), "");
   // U+200B (zero width space) is not whitespace to Python either.
-  EXPECT_EQ(composite::trimmed("\xE2\x80\x8B" "a"), "\xE2\x80\x8B" "a");
+  EXPECT_EQ(composite::trimmed("\xE2\x80\x8B"
+                               "a"),
+            "\xE2\x80\x8B"
+            "a");
 }
 
 TEST_F(HfJson, DigitsPreTokenizerIsolatesEachDigit) {
