@@ -35,7 +35,9 @@ WHITESPACE = (
 )
 
 # Templates for tokenizers that ship none, by the family their special tokens show: Llama 3's
-# Instruct template and Llama 2's chat template, as those models' tokenizer_config.json carry them.
+# Instruct template as its tokenizer_config.json carries it, and Llama 2's chat template with each
+# message trimmed on its own (Meta's trims the system message and the first user message as one
+# text, which differs only for messages with surrounding whitespace).
 BUILTIN = {
     "llama3": (
         "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -50,9 +52,9 @@ BUILTIN = {
         "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
         "{% if loop.index0 == 0 and system_message != false %}"
-        "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
-        "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
-        "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+        "{% set content = '<<SYS>>\\n' + system_message.strip() + '\\n<</SYS>>\\n\\n' + message['content'].strip() %}"
+        "{% else %}{% set content = message['content'].strip() %}{% endif %}{% if message['role'] == 'user' %}"
+        "{{ bos_token + '[INST] ' + content + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
         "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
     ),
 }
