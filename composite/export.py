@@ -18,6 +18,8 @@ if __name__ == "__main__" and "--verbose" not in sys.argv:
 
 import argparse
 import errno
+import hashlib
+import os
 import shutil
 import signal
 import time
@@ -29,16 +31,19 @@ from executorch.runtime import Runtime
 from tqdm import tqdm
 
 import composite
-from composite import chat_template, qnn_host, staging
+from composite import chat_template, qnn_host, shard_cache, staging
 from composite import manifest as manifest_schema
 from composite.config import ExportConfig, Placement, config_from_flags
 from composite.errors import UserError, exits_cleanly
 from composite.lowering import LoweredShard, embedding, finish, lower_shard
+from composite.lowering.calibration import calibration_text
+from composite.lowering.worker import ForkedWorker, split_work
 from composite.lowering.xnnpack import check_group_sizes
 from composite.manifest import DECODE, PREFILL
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
 from composite.model.loaded import LoadedModel
+from composite.shard_cache import ShardCache
 from composite.split.plan import ShardSpec, plan_shards
 from composite.split.shard import ShardModule, shard_io
 from composite.tokenizer import Tokenizer, tokenizer_for_model
@@ -90,6 +95,12 @@ def parse_args(argv):
         help="QNN shards keep a copy of their weights per method: the host twin, which the x86 HTP simulator loads",
     )
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="lower every shard and store none (default: reuse and store lowered shards in ~/.cache/composite/shards, "
+        "or COMPOSITE_CACHE; COMPOSITE_CACHE=off is --no-cache)",
+    )
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
 
@@ -102,58 +113,187 @@ def lower_all(
     tokenizer: Tokenizer | None,
     folder: Path,
     bos: int | None = None,
+    cache: ShardCache | None = None,
 ) -> tuple[list[dict], dict | None]:
-    """Lower every shard into `folder`; -> (manifest entries, the manifest's qnn summary). bos: the
-    id the runners put before a text prompt, which calibration puts before its text too."""
+    """Lower every shard into `folder`, or take it from the cache; -> (manifest entries, the
+    manifest's qnn summary). bos: the id the runners put before a text prompt, which calibration
+    puts before its text too."""
     model = loaded.model
     methods = {DECODE: 1, PREFILL: config.prefill_len}
     io = [{m: shard_io(model.args, spec, n, config.max_seq_len) for m, n in methods.items()} for spec in specs]
     names = [{m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in shard.items()} for shard in io]
     examples = [{m: tuple(t.example() for t in inputs) for m, (inputs, _) in shard.items()} for shard in io]
     modules = [ShardModule(model, spec).eval() for spec in specs]
+    keys = cache_keys(model, modules, specs, placements, config, tokenizer, bos) if cache is not None else {}
     embedding_notes = []
     if config.embedding_bits_and_group() is not None:
         bits, group = config.embedding_bits_and_group()
         embedding_notes = embedding.quantize(modules[0], bits, group, specs[-1].index, model.args.tie_embeddings)
-    qnn = None
-    if any(p.backend == "qnn" for p in placements):
-        from composite.lowering.qnn import QnnShardLowering, QnnShards
-
-        positions = config.max_seq_len + config.prefill_len
-        jobs = {
-            spec.index: QnnShardLowering(
-                modules[spec.index], examples[spec.index], names[spec.index], placement.options, positions
-            )
-            for spec, placement in zip(specs, placements)
-            if placement.backend == "qnn"
-        }
-        qnn = QnnShards(model, modules, jobs, methods, config.max_seq_len, tokenizer, bos)
-    entries, seconds = {}, {}
-    for spec, placement in tqdm(list(zip(specs, placements)), desc="lowering shards", unit="shard", file=sys.stderr):
+    entries: dict[int, dict] = {}
+    baked_spill_fill = {}  # cached QNN shard -> the shared spill-fill size it was compiled with
+    for spec in specs:
         started = time.perf_counter()
-        if placement.backend == "qnn":
-            qnn.lower(spec.index)  # written once all QNN shards share one spill-fill size
-        else:
-            module, notes, encodings = lower_shard(
-                modules[spec.index], examples[spec.index], names[spec.index], placement
-            )
-            lowered = finish(module, notes + (embedding_notes if spec.has_embedding else []))
-            entries[spec.index] = write_shard(
-                folder, spec, placement, lowered, io[spec.index], time.perf_counter() - started, encodings
-            )
-        seconds[spec.index] = time.perf_counter() - started
-    if qnn is None:
+        hit = cache.get(keys[spec.index], folder, shard_file(spec)) if cache is not None else None
+        if hit is not None:
+            baked_spill_fill[spec.index] = hit.pop(SHARED_SPILL_FILL, 0)
+            entries[spec.index] = {
+                "index": spec.index,
+                "file": shard_file(spec),
+                **hit,
+                "export_seconds": round(time.perf_counter() - started, 2),
+                "cache": "hit",
+            }
+    missed = [(spec, placement) for spec, placement in zip(specs, placements) if spec.index not in entries]
+    qnn_missed = [spec.index for spec, placement in missed if placement.backend == "qnn"]
+    qnn_cached = [i for i, p in enumerate(placements) if p.backend == "qnn" and i in entries]
+
+    def lower_plain(index: int) -> dict:
+        """An XNNPACK or portable shard, lowered, written and stored; its manifest entry."""
+        started = time.perf_counter()
+        spec, placement = specs[index], placements[index]
+        module, notes, encodings = lower_shard(modules[index], examples[index], names[index], placement)
+        lowered = finish(module, notes + (embedding_notes if spec.has_embedding else []))
+        entry = write_shard(folder, spec, placement, lowered, io[index], time.perf_counter() - started, encodings)
+        store(cache, keys, entry, folder)
+        return entry
+
+    plain = {spec.index: lowering_work(spec, placement) for spec, placement in missed if placement.backend != "qnn"}
+    qnn_work = sum(lowering_work(specs[i], placements[i]) for i in qnn_missed)
+    worker = None
+    if parallel_lowering() and len(plain) + bool(qnn_missed) >= 2:
+        _, theirs = split_work(plain, qnn_work)
+        worker = ForkedWorker(lower_plain, theirs)
+        print(f"note: shards {', '.join(map(str, theirs))} are lowered in a second process", file=sys.stderr)
+        missed = [(spec, placement) for spec, placement in missed if spec.index not in theirs]
+    seconds = {}
+    try:
+        qnn = make_qnn_shards(qnn_missed, model, modules, examples, names, placements, config, tokenizer, bos)
+        for spec, placement in tqdm(missed, desc="lowering shards", unit="shard", file=sys.stderr, disable=not missed):
+            started = time.perf_counter()
+            if placement.backend == "qnn":
+                qnn.lower(spec.index)  # written once all QNN shards share one spill-fill size
+            else:
+                entries[spec.index] = lower_plain(spec.index)
+            seconds[spec.index] = time.perf_counter() - started
+        if worker is not None:
+            entries.update(worker.join())
+            worker = None
+    finally:
+        if worker is not None:
+            worker.stop()
+    if not any(p.backend == "qnn" for p in placements):
         return [entries[i] for i in sorted(entries)], None
-    results, summary = qnn.finish({i: names[i] for i in qnn.lowered})
-    for index, (lowered, own_spill_fill, (sqnr, worst), io_encodings) in results.items():
-        entry = write_shard(folder, specs[index], placements[index], lowered, io[index], seconds[index], io_encodings)
-        entries[index] = {
-            **entry,
-            "spill_fill_bytes": own_spill_fill,
-            "sqnr_db": sqnr,
-            "sqnr_worst_token_db": worst,
+    # One spill-fill size for every QNN context, cached or not: a cached shard compiled with
+    # another size is lowered again (rare: small models need none).
+    summary = None
+    floor = max((entries[i]["spill_fill_bytes"] for i in qnn_cached), default=0)
+    while True:
+        if qnn is not None:
+            results, summary = qnn.finish({i: names[i] for i in qnn.lowered}, floor)
+            floor = summary["spill_fill_bytes"]
+            for index, (lowered, own, (sqnr, worst), io_encodings) in results.items():
+                entry = write_shard(
+                    folder, specs[index], placements[index], lowered, io[index], seconds[index], io_encodings
+                )
+                entries[index] = {**entry, "spill_fill_bytes": own, "sqnr_db": sqnr, "sqnr_worst_token_db": worst}
+                store(cache, keys, entries[index], folder, {SHARED_SPILL_FILL: floor})
+        stale = [i for i in qnn_cached if baked_spill_fill[i] != floor]
+        if not stale:
+            break
+        qnn_cached = [i for i in qnn_cached if i not in stale]
+        qnn = make_qnn_shards(stale, model, modules, examples, names, placements, config, tokenizer, bos)
+        for index in stale:
+            started = time.perf_counter()
+            qnn.lower(index)
+            seconds[index] = time.perf_counter() - started
+    return [entries[i] for i in sorted(entries)], summary or cached_qnn_summary(floor)
+
+
+SHARED_SPILL_FILL = "shared_spill_fill_bytes"  # what a cached QNN shard was compiled with
+
+
+def lowering_work(spec: ShardSpec, placement: Placement) -> float:
+    """A rough share of an export's lowering time: QNN layers take about three times an XNNPACK
+    layer (SmolLM2 on this host: ~35 s against ~11 s), an embedding or a head about half a layer."""
+    ends = 0.5 * (spec.has_embedding + spec.has_head)
+    return (3.0 if placement.backend == "qnn" else 1.0) * len(spec.layers) + ends
+
+
+def parallel_lowering() -> bool:
+    """A second lowering process where there is a second core (COMPOSITE_EXPORT_WORKERS=1: none)."""
+    return (os.cpu_count() or 1) >= 2 and os.environ.get("COMPOSITE_EXPORT_WORKERS", "2") != "1"
+
+
+def shard_file(spec: ShardSpec) -> str:
+    return f"shard_{spec.index:02d}.pte"
+
+
+def make_qnn_shards(indices, model, modules, examples, names, placements, config, tokenizer, bos):
+    """The QNN shards to lower (calibrated together), or None when there are none."""
+    if not indices:
+        return None
+    from composite.lowering.qnn import QnnShardLowering, QnnShards
+
+    positions = config.max_seq_len + config.prefill_len
+    jobs = {i: QnnShardLowering(modules[i], examples[i], names[i], placements[i].options, positions) for i in indices}
+    methods = {DECODE: 1, PREFILL: config.prefill_len}
+    return QnnShards(model, modules, jobs, methods, config.max_seq_len, tokenizer, bos)
+
+
+def cached_qnn_summary(spill_fill_bytes: int) -> dict:
+    """The manifest's qnn entry when every QNN shard came from the cache."""
+    host = qnn_host.prepare()
+    return {
+        "build_id": host.build_id,
+        "libraries": host.source,
+        "spill_fill_bytes": spill_fill_bytes,
+        "calibration_seconds": None,
+    }
+
+
+def store(cache: ShardCache | None, keys: dict, entry: dict, folder: Path, extra: dict | None = None) -> None:
+    if cache is None:
+        entry["cache"] = "off"
+        return
+    cache.put(keys[entry["index"]], folder / entry["file"], {**entry, **(extra or {})})
+    entry["cache"] = "stored"
+
+
+def cache_keys(model, modules, specs, placements, config, tokenizer, bos) -> dict[int, str]:
+    """Each shard's cache key: everything that decides its .pte and manifest entry."""
+    common = {
+        "versions": versions(),
+        "source": shard_cache.source_fingerprint(),
+        "model": model.args.to_dict(),
+        "max_seq_len": config.max_seq_len,
+        "methods": {DECODE: 1, PREFILL: config.prefill_len},
+    }
+    qnn_common = None
+    if any(p.backend == "qnn" for p in placements):
+        # A QNN shard's calibration inputs and held-out SQNR input come from the whole float chain.
+        qnn_common = {
+            "qnn_build": qnn_host.prepare().build_id,
+            "float_model": shard_cache.tensors_digest(model),
+            "tokenizer": manifest_schema.sha256_file(tokenizer.path) if tokenizer is not None else None,
+            "bos": bos,
         }
-    return [entries[i] for i in sorted(entries)], summary
+    keys = {}
+    for spec, placement, module in zip(specs, placements, modules):
+        parts = {
+            **common,
+            "weights": shard_cache.tensors_digest(module),
+            "layers": [spec.layer_start, spec.layer_end],
+            "embedding": spec.has_embedding,
+            "head": spec.has_head,
+            "placement": {"backend": placement.backend, "options": placement.options},
+            "embedding_quantize": config.embedding_bits_and_group() if spec.has_embedding else None,
+        }
+        if placement.backend == "qnn":
+            calibration = placement.options.get("calibration") or {}
+            text = hashlib.sha256(calibration_text(calibration).encode()).hexdigest()
+            parts["qnn"] = {**qnn_common, "calibration": calibration, "calibration_text": text}
+        keys[spec.index] = shard_cache.key_of(parts)
+    return keys
 
 
 def write_shard(
@@ -167,7 +307,7 @@ def write_shard(
 ) -> dict:
     """Write one shard's .pte and describe it; the program's own metadata must match the description.
     io_encodings: method -> ("in" | "out", name) -> Encoding of its native I/O tensors."""
-    path = folder / f"shard_{spec.index:02d}.pte"
+    path = folder / shard_file(spec)
     path.write_bytes(lowered.buffer)
     described = {}
     for m, (i, o) in io.items():
@@ -254,10 +394,11 @@ def format_sqnr(db: float | None) -> str:
 
 
 def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_summary: dict | None) -> None:
-    """One row per shard. SQNR (dB, against the float shard on a held-out input) is given for the
+    """One row per shard. cache: "hit" (taken from the shard cache), "stored" (lowered and put
+    there) or "off". SQNR (dB, against the float shard on a held-out input) is given for the
     shard's main output per method, decode/prefill, over the whole output and for its worst token;
     the manifest has the first for every output."""
-    rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "SQNR dB", "worst token")]
+    rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "cache", "SQNR dB", "worst token")]
     for s in shards:
         first, end = s["layers"]
         parts = (
@@ -282,6 +423,7 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
                 ",".join(s["backends"]) or "none",
                 f"{s['size'] / 1e6:.2f} MB",
                 f"{s['export_seconds']:.1f}",
+                s.get("cache", "-"),
                 sqnr,
                 worst,
             )
@@ -303,10 +445,13 @@ def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_su
             f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
             f"{qnn_summary['spill_fill_bytes']} bytes"
         )
-    print(f"{len(shards)} shards, {total / 1e6:.2f} MB, {total_seconds:.1f} s -> {output}")
+    hits = sum(s.get("cache") == "hit" for s in shards)
+    reused = f" ({hits} of them from the cache)" if hits else ""
+    print(f"{len(shards)} shards{reused}, {total / 1e6:.2f} MB, {total_seconds:.1f} s -> {output}")
 
 
-def run_export(config: ExportConfig) -> Path:
+def run_export(config: ExportConfig, cache: ShardCache | None = None) -> Path:
+    """Export `config`; shards are taken from and stored in `cache` unless it is None."""
     started = time.perf_counter()
     placements = config.placements()
     if any(p.backend == "qnn" for p in placements):
@@ -329,7 +474,7 @@ def run_export(config: ExportConfig) -> Path:
         chat = chat_template.chat_entry(
             tokenizer, first_bos, stop_ids(loaded, tokenizer, None), config.chat_template, loaded.chat_template
         )
-        shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, folder, first_bos)
+        shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, folder, first_bos, cache)
         if tokenizer is not None:
             (folder / tokenizer.path.name).write_bytes(tokenizer.path.read_bytes())
         manifest_schema.write(folder, build_manifest(loaded, tokenizer, chat, config, shards, qnn_summary))
@@ -354,7 +499,7 @@ def main(argv=None) -> None:
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     try:
         with quiet.filtered_native_stderr(args.verbose):
-            run_export(config)
+            run_export(config, None if args.no_cache else ShardCache.from_environment())
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise UserError(

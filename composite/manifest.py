@@ -58,6 +58,7 @@ tools (the runners ignore it). Every key is written by every export unless marke
                                  # float32, float16, uint8 or uint16, logits float32; a layer's cache inputs
                                  # and new-entry outputs share one dtype and quant in every method
      "export_seconds": float, "notes": [str],   # e.g. linears left unquantized
+     "cache": "hit" | "stored" | "off",         # taken from the shard cache, put there, or neither
      "spill_fill_bytes": int,    # optional, QNN shards: this shard's own need
      "weight_sharing": bool,     # optional, QNN shards: decode and prefill share    [R]
                                  # one copy of the weights; the x86 simulator cannot

@@ -15,6 +15,8 @@ import torch
 from composite import quiet
 
 quiet.silence_library_noise()
+# Every export in the tests lowers its shards (tests/test_shard_cache.py turns the cache on for itself).
+os.environ["COMPOSITE_CACHE"] = "off"
 
 from composite.config import build_config  # noqa: E402
 from composite.errors import UserError  # noqa: E402
@@ -138,6 +140,11 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_exports(workdir) -> dict[int, Path]:
     return {n: export(workdir / f"default_{n}", shards=n) for n in SHARD_COUNTS}
+
+
+@pytest.fixture(scope="session")
+def default_8da4w_export(workdir) -> Path:
+    return export(workdir / "default_3_8da4w", shards=3, xnnpack={"quantize": "8da4w", "group_size": 32})
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUNNER, export, run_cli
+from conftest import REPO, RUNNER, run_cli
 
 ARM_RUNNER = REPO / "build-arm64" / "composite_runner"
 QEMU = shutil.which("qemu-aarch64-static")
@@ -65,12 +65,8 @@ def tokens(command: list[str], folder: Path, stats: Path) -> tuple[list[int], fl
 
 
 @pytest.mark.parametrize("quantize", ["none", "8da4w"])
-def test_arm64_runner_generates_the_x86_tokens(arm64_ready, workdir, default_exports, quantize, tmp_path):
-    folder = (
-        default_exports[3]
-        if quantize == "none"
-        else export(workdir / "default_3_8da4w", shards=3, xnnpack={"quantize": "8da4w", "group_size": 32})
-    )
+def test_arm64_runner_generates_the_x86_tokens(arm64_ready, default_exports, default_8da4w_export, quantize, tmp_path):
+    folder = default_exports[3] if quantize == "none" else default_8da4w_export
     # -L /: Debian's arm64 multiarch libraries are the guest's root (see scripts/build_arm64.sh).
     arm, arm_speed = tokens([QEMU, "-L", "/", str(ARM_RUNNER)], folder, tmp_path / "arm.json")
     x86, x86_speed = tokens([str(RUNNER)], folder, tmp_path / "x86.json")

@@ -10,7 +10,6 @@ median-decode run) and bench.png, the time per token in each shard and in KV wri
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ from composite.bench import llama_cpp, peer
 from composite.bench.workload import DIMS, Dims, prompt_ids, write_workload
 from composite.errors import UserError, exits_cleanly
 from composite.report import read_stats, render
+from composite.shard_cache import source_fingerprint
 
 QUANTS = ("fp32", "fp16", "8da8w", "8da4w")
 # ours: the export flags of each precision
@@ -89,16 +89,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def _composite_fingerprint() -> str:
-    """Changes whenever our exporter's source changes, so cached exports never go stale."""
-    digest = hashlib.sha256()
-    package = Path(__file__).resolve().parent.parent
-    for path in sorted(package.rglob("*.py")) + sorted(package.rglob("*.c")):
-        if "bench" not in path.parts:
-            digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
 def _executorch_version() -> str:
     from importlib.metadata import version
 
@@ -141,7 +131,7 @@ def export_ours(
         "shards": shards,
         "prefill_len": prefill_len,
         "attention": attention,
-        "composite": _composite_fingerprint(),
+        "composite": source_fingerprint()[:12],
         "executorch": _executorch_version(),
     }
     command = [
@@ -167,6 +157,7 @@ def export_ours(
         attention,
         "--output",
         str(artifacts),
+        "--no-cache",  # the export's seconds are a cold export's
     ]
 
     def build():

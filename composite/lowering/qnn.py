@@ -252,15 +252,28 @@ def qnn_backend_modules(edge) -> list:
     return modules
 
 
-def share_spill_fill(edges: list) -> tuple[int, list[int]]:
+def share_spill_fill(edges: list, floor: int = 0) -> tuple[int, list[int]]:
     """One spill-fill buffer size for every QNN context of every shard: the maximum any of them
-    needs, written into each context's compile spec. On device the HTP backend keeps one
-    process-wide buffer of that size for all of them. Returns (shared size, each shard's own need)."""
+    needs (at least `floor`: the needs of QNN shards taken from the cache), written into each
+    context's compile spec. On device the HTP backend keeps one process-wide buffer of that size
+    for all of them. Returns (shared size, each shard's own need)."""
+    from executorch.backends.qualcomm.serialization.qc_schema_serialize import (
+        flatbuffer_to_option,
+        option_to_flatbuffer,
+    )
+    from executorch.backends.qualcomm.utils.constants import QCOM_QNN_COMPILE_SPEC
     from executorch.backends.qualcomm.utils.utils import update_spill_fill_size
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
 
     own = [int(update_spill_fill_size(modules)) if (modules := qnn_backend_modules(edge)) else 0 for edge in edges]
     every = [m for edge in edges for m in qnn_backend_modules(edge)]
     shared = int(update_spill_fill_size(every)) if every else 0
+    if floor > shared:
+        for module in every:
+            options = flatbuffer_to_option(module.compile_specs[0].value)
+            options.backend_options.htp_options.max_sf_buf_size = floor
+            module._compile_specs[0] = CompileSpec(QCOM_QNN_COMPILE_SPEC, option_to_flatbuffer(options))
+        shared = floor
     return shared, own
 
 
@@ -322,12 +335,12 @@ class QnnShards:
         edge, notes, twin = job.lower()
         self.lowered[index] = (edge, notes, twin, job.io_encodings, job.planning())
 
-    def finish(self, io_names: dict[int, dict[str, tuple]]) -> tuple[dict[int, tuple], dict]:
+    def finish(self, io_names: dict[int, dict[str, tuple]], spill_fill_floor: int = 0) -> tuple[dict[int, tuple], dict]:
         """io_names: shard index -> method -> (its inputs' names, its outputs' names). -> ({shard index:
         (LoweredShard, own spill-fill bytes, (SQNR per method and output, worst-token SQNR per
         method), native I/O encodings per method)}, the manifest's qnn summary)."""
         indices = sorted(self.lowered)
-        shared, own = share_spill_fill([self.lowered[i][0] for i in indices])
+        shared, own = share_spill_fill([self.lowered[i][0] for i in indices], spill_fill_floor)
         host = qnn_host.prepare()
         results = {}
         for index, own_bytes in zip(indices, own):

@@ -1,0 +1,155 @@
+"""The cache of lowered shards: a re-export lowers only what changed, with the bytes and tokens of
+a cold export; keys change with weights, calibration and library versions; a corrupt entry is
+dropped; --no-cache writes nothing; two exports at once leave a sound cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from composite import manifest as manifest_schema
+from conftest import MAX_SEQ_LEN, PREFILL_LEN, REPO, run_cli
+
+PROMPT_IDS = "1,17,230,45,99,301,7,12,400,5"
+
+
+def export_cli(output: Path, cache: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COMPOSITE_CACHE": str(cache)}
+    args = ["--shards", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-len", str(PREFILL_LEN)]
+    return run_cli("composite.export", *args, "--output", str(output), *flags, env=env, check=True)
+
+
+def cache_column(stdout: str) -> list[str]:
+    """The export summary's cache column, one value per shard."""
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.startswith("shard "))
+    at = header.index("cache")
+    rows = [line for line in lines[lines.index(header) + 1 :] if re.match(r"\d+  ", line)]
+    return [row[at:].split()[0] for row in rows]
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.glob("??/*") if p.is_dir())
+
+
+def tokens(export: Path) -> list[int]:
+    result = run_cli("composite.run", "--artifacts", str(export), "--prompt-ids", PROMPT_IDS, "--json", check=True)
+    return json.loads(result.stdout)["tokens"]
+
+
+def shard_hashes(export: Path) -> list[str]:
+    return [s["sha256"] for s in manifest_schema.read(export)["shards"]]
+
+
+@pytest.fixture(scope="session")
+def cold(workdir):
+    cache = workdir / "shard_cache"
+    result = export_cli(workdir / "cache_cold", cache)
+    return cache, workdir / "cache_cold", result.stdout
+
+
+def test_a_cold_export_stores_every_shard(cold):
+    cache, _, stdout = cold
+    assert cache_column(stdout) == ["stored", "stored"]
+    assert len(entries(cache)) == 2
+
+
+def test_a_changed_placement_lowers_only_that_shard_with_a_cold_exports_bytes_and_tokens(cold, workdir):
+    cache, cold_export, _ = cold
+    changed = export_cli(workdir / "cache_changed", cache, "--placement", "xnnpack,portable")
+    assert cache_column(changed.stdout) == ["hit", "stored"]
+    assert "(1 of them from the cache)" in changed.stdout
+    before = sorted(p.name for p in entries(cache))
+    # The same export lowered from scratch, with --no-cache, which writes nothing to the cache.
+    reference = export_cli(workdir / "cache_reference", cache, "--placement", "xnnpack,portable", "--no-cache")
+    assert cache_column(reference.stdout) == ["off", "off"]
+    assert sorted(p.name for p in entries(cache)) == before
+    assert shard_hashes(workdir / "cache_changed") == shard_hashes(workdir / "cache_reference")
+    assert shard_hashes(workdir / "cache_changed")[0] == shard_hashes(cold_export)[0]
+    assert tokens(workdir / "cache_changed") == tokens(workdir / "cache_reference")
+
+
+def test_a_corrupt_entry_is_dropped_and_lowered_again(cold, workdir):
+    cache, cold_export, _ = cold
+    head = shard_hashes(cold_export)[1]  # the cold export's last shard, not the portable one stored since
+    victim = next(e for e in entries(cache) if json.loads((e / "entry.json").read_text())["sha256"] == head)
+    data = (victim / "shard.pte").read_bytes()
+    (victim / "shard.pte").write_bytes(data[: len(data) // 2])
+    repaired = export_cli(workdir / "cache_repaired", cache)
+    assert cache_column(repaired.stdout) == ["hit", "stored"]
+    warnings = [line for line in repaired.stderr.splitlines() if line.startswith("warning: dropped a corrupt")]
+    assert len(warnings) == 1, repaired.stderr
+    assert shard_hashes(workdir / "cache_repaired") == shard_hashes(cold_export)
+
+
+def test_two_exports_at_once_leave_a_sound_cache(workdir):
+    """Both lower the same one-shard export and store it under one key at the same time."""
+    cache = workdir / "shard_cache_race"
+    env = {**os.environ, "COMPOSITE_CACHE": str(cache)}
+    args = ["--shards", "1", "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-len", str(PREFILL_LEN)]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "composite.export", *args, "--output", str(workdir / f"race_{i}")],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for run in runs:
+        _, err = run.communicate()
+        assert run.returncode == 0, err
+    assert len(entries(cache)) == 1 and not list(cache.glob(".new-*"))
+    check = run_cli("composite.export", *args, "--output", str(workdir / "race_check"), env=env, check=True)
+    assert cache_column(check.stdout) == ["hit"] and "warning" not in check.stderr
+    assert shard_hashes(workdir / "race_check") == shard_hashes(workdir / "race_0") == shard_hashes(workdir / "race_1")
+
+
+def keys_for(model, placements: list[str], calibration: dict | None = None) -> dict[int, str]:
+    from composite.config import build_config
+    from composite.export import cache_keys
+    from composite.split.plan import plan_shards
+    from composite.split.shard import ShardModule
+
+    values = {"shards": len(placements), "placement": placements, "max_seq_len": MAX_SEQ_LEN}
+    values.update(prefill_len=PREFILL_LEN, qnn={"precision": "16a4w", "calibration": calibration or {}})
+    config = build_config(None, values)
+    specs = plan_shards(model.args, len(placements))
+    modules = [ShardModule(model, spec).eval() for spec in specs]
+    return cache_keys(model, modules, specs, config.placements(), config, None, None)
+
+
+def test_keys_change_with_a_weight_and_with_library_versions(monkeypatch):
+    import torch
+
+    from composite import export
+    from composite.model.default import default_model
+
+    model = default_model()
+    base = keys_for(model, ["xnnpack", "xnnpack", "xnnpack"])
+    assert len(set(base.values())) == 3
+    with torch.no_grad():
+        model.layers[2].feed_forward.w2.weight[0, 0] += 1e-3  # a layer of the middle shard
+    changed = keys_for(model, ["xnnpack", "xnnpack", "xnnpack"])
+    assert [base[i] == changed[i] for i in range(3)] == [True, False, True]
+    real = export.versions()
+    monkeypatch.setattr(export, "versions", lambda: {**real, "executorch": "0.0.0"})
+    assert all(keys_for(model, ["xnnpack", "xnnpack", "xnnpack"])[i] != changed[i] for i in range(3))
+
+
+def test_a_calibration_setting_changes_the_qnn_shards_key_only(qnn_ready):
+    from composite.model.default import default_model
+
+    model = default_model()
+    placements = ["xnnpack", "qnn", "xnnpack"]
+    base = keys_for(model, placements, calibration={"samples": 8})
+    other = keys_for(model, placements, calibration={"samples": 9})
+    assert [base[i] == other[i] for i in range(3)] == [True, False, True]
