@@ -195,8 +195,17 @@ def default_runner(transport_name: str) -> Path:
     return PROJECT / ("build/composite_runner" if transport_name == "local" else "build-android/composite_runner")
 
 
+EVAL_SUBDIR = "eval"  # an evaluation's text and kld-base file, on the device
+
+
 def plan_files(
-    artifacts: Path, manifest: dict, runner: Path, transport_name: str, device_dir: str, library_path: list[Path]
+    artifacts: Path,
+    manifest: dict,
+    runner: Path,
+    transport_name: str,
+    device_dir: str,
+    library_path: list[Path],
+    eval_files: tuple[Path, ...] = (),
 ) -> list[tuple[Path, str]]:
     """Everything to push, checked to exist before anything is pushed."""
     if not runner.is_file():
@@ -209,6 +218,10 @@ def plan_files(
     files.append((runner, "composite_runner"))
     files += [(lib, lib.name) for lib in library_closure(runner, library_path)]
     files += [(lib, f"{QNN_SUBDIR}/{lib.name}") for lib in qnn_libraries(manifest, transport_name)]
+    for local in eval_files:
+        if not local.is_file():
+            raise UserError(f"{local} does not exist")
+        files.append((local, f"{EVAL_SUBDIR}/{local.name}"))
     for local, _ in files:
         if not local.is_file():
             raise UserError(f"{local} is missing: the export is incomplete")
@@ -220,7 +233,8 @@ def push(args) -> None:
     manifest = read_manifest(artifacts)
     runner = Path(args.runner) if args.runner else default_runner(args.transport)
     library_path = [Path(d) for d in args.library_path.split(os.pathsep) if d] if args.library_path else []
-    files = plan_files(artifacts, manifest, runner, args.transport, args.device_dir, library_path)
+    eval_files = tuple(Path(f) for f in (args.eval_text, args.kld_base) if f)
+    files = plan_files(artifacts, manifest, runner, args.transport, args.device_dir, library_path, eval_files)
     transport = open_transport(args)
     on_device = transport.sha256([remote for _, remote in files])
     pushed, skipped, pushed_bytes = 0, 0, 0
@@ -243,6 +257,10 @@ def run(args) -> int:
     runner_args = ["--artifacts", device_dir, "--stats_json", f"{device_dir}/stats.json"]
     if args.chat:  # the user's turns: this process's stdin, which both transports hand to the runner
         runner_args += ["--chat"]
+    elif args.eval_text is not None:  # files `push --eval-text/--kld-base` put in the device folder
+        runner_args += ["--eval_text", f"{device_dir}/{EVAL_SUBDIR}/{Path(args.eval_text).name}"]
+        if args.kld_base:
+            runner_args += ["--kld_base", f"{device_dir}/{EVAL_SUBDIR}/{Path(args.kld_base).name}"]
     elif args.prompt is not None:
         runner_args += ["--prompt", args.prompt]
     else:
@@ -300,11 +318,17 @@ def parse_args(argv):
                 help="folders (':'-separated) to find the runner's shared libraries in, "
                 "searched before its RUNPATH and the target's default folders",
             )
+            s.add_argument("--eval-text", help="also push this text, for run --eval-text")
+            s.add_argument("--kld-base", help="also push this kld-base file (composite.eval --kld-base-out)")
         else:
             prompt = s.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt")
             prompt.add_argument("--prompt-ids", help="comma-separated token ids")
             prompt.add_argument("--chat", action="store_true", help="chat with user turns from stdin, one per line")
+            prompt.add_argument(
+                "--eval-text", help="perplexity on this text, pushed with push --eval-text (name or path)"
+            )
+            s.add_argument("--kld-base", help="with --eval-text: KLD against this pushed kld-base file")
             s.add_argument(
                 "--stats-out",
                 default="device_stats.json",
@@ -312,6 +336,8 @@ def parse_args(argv):
             )
     p.epilog = "run passes any other flag to composite_runner (e.g. --max_new_tokens 64 --temperature 0.8)."
     args, others = p.parse_known_args(argv)
+    if args.command == "run" and args.kld_base and not args.eval_text:
+        p.error("--kld-base is for --eval-text")
     if args.command == "run":
         args.runner_args = [a for a in others if a != "--"]
     elif others:

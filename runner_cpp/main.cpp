@@ -27,6 +27,7 @@
 #include "chat.h"
 #include "cpu_backend.h"
 #include "error.h"
+#include "eval.h"
 #include "generate.h"
 #include "manifest.h"
 #include "qnn_libraries.h"
@@ -44,6 +45,7 @@ constexpr int kDefaultMaxNewTokens = 128;
 
 struct Options {
   std::string artifacts, prompt, prompt_file, prompt_ids, stats_json, system, chat_template;
+  EvalOptions eval;
   bool has_prompt = false, chat = false, special_as_text = false;
   int seq_len = 0;  // total tokens, prompt included; 0 = max_seq_len
   int max_new_tokens = kDefaultMaxNewTokens;
@@ -72,6 +74,11 @@ const Flag kFlags[] = {
     {"--chat_template", "FILE",
      "the chat's template as composite.chat_template writes it (JSON), instead of the export's"},
     {"--special_as_text", nullptr, "encode special-token strings in the prompt (<|eot_id|>, </s>) as text"},
+    {"--eval_text", "FILE", "instead of generating: perplexity on this text (and KLD with --kld_base)"},
+    {"--ctx", "N", "--eval_text: tokens per chunk (default: the export's max_seq_len)"},
+    {"--limit_tokens", "N", "--eval_text: the text's first N tokens only"},
+    {"--score", "MODE", "--eval_text: all (default) or second-half, llama.cpp's choice"},
+    {"--kld_base", "FILE", "--eval_text: the reference's probabilities, from composite.eval --kld-base-out"},
     {"--max_new_tokens", "N", "stop after N new tokens (default 128)"},
     {"--seq_len", "N", "stop at N tokens in all, prompt included (default: the export's max_seq_len)"},
     {"--temperature", "T", "0 = greedy (default 0)"},
@@ -174,8 +181,26 @@ Options parse_options(int argc, char** argv) {
   if (!values.count("--artifacts")) throw RunnerError("--artifacts DIR is required");
   o.artifacts = values["--artifacts"];
   const int prompts = values.count("--prompt") + values.count("--prompt_file") + values.count("--prompt_ids");
+  const bool eval = values.count("--eval_text") > 0;
+  for (const char* flag : {"--ctx", "--limit_tokens", "--score", "--kld_base"}) {
+    if (values.count(flag) && !eval) throw RunnerError(std::string(flag) + " is for --eval_text");
+  }
+  if (eval && (prompts || o.chat)) throw RunnerError("--eval_text scores a text: drop the prompt and --chat flags");
   if (o.chat && prompts) throw RunnerError("--chat reads the user's turns from stdin: drop the prompt flag");
-  if (!o.chat && prompts != 1) throw RunnerError("give exactly one of --prompt, --prompt_file, --prompt_ids, --chat");
+  if (!o.chat && !eval && prompts != 1) {
+    throw RunnerError("give exactly one of --prompt, --prompt_file, --prompt_ids, --chat, --eval_text");
+  }
+  if (eval) {
+    o.eval.text_path = values["--eval_text"];
+    if (values.count("--ctx")) o.eval.ctx = static_cast<int>(parse_number("--ctx", values["--ctx"], 2, 1e9));
+    if (values.count("--limit_tokens"))
+      o.eval.limit_tokens = static_cast<int>(parse_number("--limit_tokens", values["--limit_tokens"], 2, 1e12));
+    if (values.count("--score")) o.eval.score = values["--score"];
+    if (o.eval.score != "all" && o.eval.score != "second-half") {
+      throw RunnerError("--score must be all or second-half, got '" + o.eval.score + "'");
+    }
+    if (values.count("--kld_base")) o.eval.kld_base_path = values["--kld_base"];
+  }
   if (values.count("--system") && !o.chat) throw RunnerError("--system is for --chat");
   if (values.count("--system")) o.system = values["--system"];
   if (values.count("--chat_template") && !o.chat) throw RunnerError("--chat_template is for --chat");
@@ -401,18 +426,20 @@ int run(int argc, char** argv) {
   std::unique_ptr<Tokenizer> tokenizer;
   if (!manifest.tokenizer_file.empty())
     tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
-  Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : manifest.max_seq_len, manifest.max_seq_len,
-                      manifest.eos_ids};
+  Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : manifest.max_seq_len, manifest.max_seq_len, manifest.eos_ids};
   std::vector<int64_t> prompt;
   ChatTemplate chat_format = manifest.chat;
-  if (o.chat) {
+  if (!o.eval.text_path.empty()) {
+    if (!tokenizer) throw RunnerError("this export has no tokenizer, so it cannot read a text");
+  } else if (o.chat) {
     if (!tokenizer) throw RunnerError("--chat needs a tokenizer, and this export has none");
     if (!o.chat_template.empty()) {
       chat_format = read_chat_template(o.chat_template);
       if (std::find(limits.eos_ids.begin(), limits.eos_ids.end(), chat_format.end_of_turn_id) == limits.eos_ids.end())
         limits.eos_ids.push_back(chat_format.end_of_turn_id);
     } else if (!manifest.has_chat) {
-      throw RunnerError("this export records no chat template (its tokenizer has none): export with --chat-template FILE");
+      throw RunnerError(
+          "this export records no chat template (its tokenizer has none): export with --chat-template FILE");
     }
     if (!o.system.empty() && !chat_format.has_system) {
       throw RunnerError("this model's chat template has no system role: drop --system");
@@ -433,6 +460,14 @@ int run(int argc, char** argv) {
     std::cerr << "seed " << info.seed << " (--seed " << info.seed << " repeats this run)\n";
   }
   Sampler sampler(o.temperature, o.top_p, info.seed);
+  if (!o.eval.text_path.empty()) {
+    nlohmann::json result = evaluate(chain, manifest, *tokenizer, manifest.path_of(manifest.tokenizer_file), o.eval);
+    result["runner"] = "composite_runner";
+    result["load_ms"] = info.load_ms;
+    result["peak_rss_mb"] = peak_rss_mb();
+    write_stats(o.stats_json, result);
+    return 0;
+  }
   if (o.chat) {
     chat(o, manifest, chat_format, *tokenizer, chain, limits, sampler, info);
     return 0;

@@ -383,6 +383,23 @@ Manifest load_manifest(const std::string& folder) {
   return parse_manifest(buffer.str(), folder);
 }
 
+namespace {
+
+std::string hex_digest(EVP_MD_CTX* ctx) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_DigestFinal_ex(ctx, digest, &length);
+  std::string hex;
+  char byte[3];
+  for (unsigned int i = 0; i < length; ++i) {
+    std::snprintf(byte, sizeof(byte), "%02x", digest[i]);
+    hex += byte;
+  }
+  return hex;
+}
+
+}  // namespace
+
 std::string sha256_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw RunnerError("cannot read " + path);
@@ -393,16 +410,14 @@ std::string sha256_file(const std::string& path) {
     in.read(block.data(), static_cast<std::streamsize>(block.size()));
     EVP_DigestUpdate(ctx.get(), block.data(), static_cast<size_t>(in.gcount()));
   }
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  EVP_DigestFinal_ex(ctx.get(), digest, &length);
-  std::string hex;
-  char byte[3];
-  for (unsigned int i = 0; i < length; ++i) {
-    std::snprintf(byte, sizeof(byte), "%02x", digest[i]);
-    hex += byte;
-  }
-  return hex;
+  return hex_digest(ctx.get());
+}
+
+std::string sha256_bytes(const std::string& data) {
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
+  EVP_DigestUpdate(ctx.get(), data.data(), data.size());
+  return hex_digest(ctx.get());
 }
 
 void check_files(const Manifest& m, bool verify_sha256) {

@@ -2,11 +2,10 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace composite {
 
@@ -88,6 +87,7 @@ ChatTemplate parse_chat(const nlohmann::json& chat, const std::string& where);
 void check_files(const Manifest& manifest, bool verify_sha256);
 
 std::string sha256_file(const std::string& path);
+std::string sha256_bytes(const std::string& data);
 
 // Bytes the runner holds and moves, from the manifest alone (composite/manifest.py's
 // memory_figures computes the same): the KV cache in all and per shard, and what each shard takes

@@ -43,8 +43,10 @@ class Chain:
         self.shard_seconds = [0.0] * len(shards)
         self.kv_write_seconds = 0.0
         # Called with (shard index, method, inputs) before each shard runs; calibration records
-        # the inputs quantized shards really receive this way.
+        # the inputs quantized shards really receive this way. The output observer gets each
+        # shard's outputs likewise (composite.eval --per-shard).
         self.input_observer: Callable[[int, str, list], None] | None = None
+        self.output_observer: Callable[[int, str, list], None] | None = None
 
     def forward(self, method: str, tokens: list[int], pos: int) -> torch.Tensor:
         """Logits [vocab] of the last of `tokens` (at most the method's T) placed at positions pos.."""
@@ -75,6 +77,8 @@ class Chain:
                 self.input_observer(shard["index"], method, inputs)
             outputs = runners[method](inputs)
             self.shard_seconds[shard["index"]] += time.perf_counter() - started
+            if self.output_observer is not None:
+                self.output_observer(shard["index"], method, outputs)
             x, encoding = outputs[0], produced
             started = time.perf_counter()
             for i, layer in enumerate(range(first, end)):
