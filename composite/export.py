@@ -75,6 +75,17 @@ def parse_args(argv):
     )
     p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
     p.add_argument(
+        "--head-quantize",
+        choices=["8da8w", "same", "none"],
+        help="a quantized shard's head: 8-bit per-channel weights (8da8w, the default), as the other linears "
+        "(same), or float (none)",
+    )
+    p.add_argument(
+        "--weight-mapping",
+        choices=["symmetric_no_clipping_err", "symmetric"],
+        help="how quantized weights get their scales: no weight clipped (the default), or torchao's symmetric",
+    )
+    p.add_argument(
         "--dtype",
         choices=["fp32", "fp16"],
         help="XNNPACK shards' float dtype: weights, activations, hidden state and KV cache (default fp32)",

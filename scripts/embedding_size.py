@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from composite.bench.workload import DIMS, write_workload
-from composite.config import build_config
+from composite.config import DEFAULT_OPTIONS, build_config
 from composite.export import run_export
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import quantize_linears, xnnpack_form
@@ -59,6 +59,9 @@ def with_planted_head(paths: dict, folder: Path) -> dict:
     return planted
 
 
+XNNPACK = {"quantize": "8da4w", "group_size": GROUP}
+
+
 def export(paths: dict, out: Path, embedding_quantize: str) -> dict:
     if not (out / "manifest.json").exists():
         values = {
@@ -67,7 +70,7 @@ def export(paths: dict, out: Path, embedding_quantize: str) -> dict:
             "tokenizer": str(paths["tokenizer.model"]),
             "max_seq_len": MAX_SEQ_LEN,
             "prefill_len": PREFILL_LEN,
-            "xnnpack": {"quantize": "8da4w", "group_size": GROUP},
+            "xnnpack": XNNPACK,
             "embedding_quantize": embedding_quantize,
             "output": str(out),
         }
@@ -81,7 +84,7 @@ def eager_generation(paths: dict, embedding_quantize: str, prompt: list[int], ne
     if embedding_quantize != "none":
         bits, group = (int(x) for x in embedding_quantize.split(","))
         shard.tok_embeddings = QuantizedEmbedding(model.tok_embeddings.weight, bits, group)
-    module, _ = quantize_linears(xnnpack_form(shard), "8da4w", GROUP)
+    module, _ = quantize_linears(xnnpack_form(shard), {**DEFAULT_OPTIONS["xnnpack"], **XNNPACK})
     chain = eager_chain(model, [module], {DECODE: 1, PREFILL: PREFILL_LEN}, MAX_SEQ_LEN)
     return generate(chain, prompt, new_tokens, Sampler(), keep_logits=True)
 

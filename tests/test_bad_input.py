@@ -76,6 +76,13 @@ def test_placement_for_missing_shard(tmp_path):
     assert_clean_failure(result, "shard 5", output=out)
 
 
+def test_unknown_xnnpack_head_quantize_in_yaml(tmp_path):
+    config = tmp_path / "head.yaml"
+    config.write_text("shards: 2\nxnnpack: {quantize: 8da4w, head_quantize: 4bit}\n")
+    result, out = export(tmp_path, "--config", str(config))
+    assert_clean_failure(result, "head_quantize must be one of 8da8w, same, none, got '4bit'", output=out)
+
+
 def test_tokenizer_larger_than_vocabulary(tmp_path, default_tokenizer):
     ckpt = write_meta_checkpoint(tmp_path / "ckpt", LLAMA3_PARAMS, seed=1)  # vocabulary 300
     result, out = export(tmp_path, "--checkpoint", str(ckpt), "--tokenizer", str(default_tokenizer))

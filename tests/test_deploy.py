@@ -119,6 +119,43 @@ def test_run_passes_a_chat_through_stdin(local_device, tmp_path):
     assert turns[1]["prompt_tokens"] < turns[1]["start_pos"]  # the second turn prefills only itself
 
 
+def test_push_and_run_an_evaluation_with_its_kld_base(local_device, qnn_fp16_export, tmp_path):
+    _, common, _, _ = local_device
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the device scores this text against the float model"] * 12))
+    base = tmp_path / "base.kld"
+    window = ["--ctx", "24", "--limit-tokens", "48"]
+    on_host = run_cli(
+        "composite.eval",
+        "--artifacts",
+        str(qnn_fp16_export),
+        "--text",
+        str(text),
+        *window,
+        "--reference",
+        "eager",
+        "--kld-base-out",
+        str(base),
+        "--json",
+        check=True,
+    )
+    pushed = deploy(
+        "push", "--artifacts", str(qnn_fp16_export), *common, "--eval-text", str(text), "--kld-base", str(base)
+    )
+    assert pushed.returncode == 0, pushed.stderr
+    stats_path = tmp_path / "eval.json"
+    runner_window = ["--ctx", "24", "--limit_tokens", "48"]
+    flags = ["--eval-text", text.name, "--kld-base", base.name, "--stats-out", str(stats_path), "--", *runner_window]
+    ran = deploy("run", *common, *flags)
+    assert ran.returncode == 0, ran.stderr
+    device, host = json.loads(stats_path.read_text()), json.loads(on_host.stdout)
+    assert device["tokens"] == host["tokens"] == 2 * 23
+    assert device["perplexity"] == pytest.approx(host["perplexity"], rel=1e-3)
+    assert device["kld_mean"] == pytest.approx(host["kld_mean"], rel=1e-2, abs=1e-6)
+    missing = deploy("run", *common, "--kld-base", base.name, "--prompt", "hi")
+    assert "--kld-base is for --eval-text" in missing.stderr and missing.returncode == 2
+
+
 def fake_adb(folder, devices: list[str]):
     """An adb on PATH that lists `devices` and fails anything else."""
     folder.mkdir(exist_ok=True)

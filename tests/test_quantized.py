@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from composite import manifest as manifest_schema
 from composite.config import build_config
 from composite.errors import UserError
 from composite.lowering.embedding import QuantizedEmbedding
@@ -20,8 +21,13 @@ from composite.runtime.sampler import Sampler
 from conftest import RUNNER, assert_clean_failure, export, run_cli
 
 
-def test_8da4w_shards(workdir, default_exports):
-    folder = export(workdir / "default_2_8da4w", shards=2, xnnpack={"quantize": "8da4w", "group_size": 32})
+@pytest.fixture(scope="module")
+def default_2_8da4w(workdir):
+    return export(workdir / "default_2_8da4w", shards=2, xnnpack={"quantize": "8da4w", "group_size": 32})
+
+
+def test_8da4w_shards(default_2_8da4w, default_exports):
+    folder = default_2_8da4w
     manifest = json.loads((folder / "manifest.json").read_text())
     fp32 = json.loads((default_exports[2] / "manifest.json").read_text())
     for q, f in zip(manifest["shards"], fp32["shards"]):
@@ -80,6 +86,21 @@ def test_quantized_embedding_generates_what_its_table_gives_in_eager(workdir, de
 def test_bad_embedding_quantize_settings_are_refused(setting, phrase):
     with pytest.raises(UserError, match=phrase):
         build_config(None, {"embedding_quantize": setting})
+
+
+def test_8da4w_keeps_an_8_bit_head_and_unclipped_scales_by_default(default_2_8da4w, workdir):
+    """The defaults against torchao's: 4-bit head and symmetric scales (head_quantize same,
+    weight_mapping symmetric). The head is the last shard's only difference in size; the scales
+    change every shard's bytes."""
+    ours = manifest_schema.read(default_2_8da4w)
+    torchao = {"quantize": "8da4w", "head_quantize": "same", "weight_mapping": "symmetric"}
+    plain = manifest_schema.read(export(workdir / "default_2_8da4w_torchao", shards=2, xnnpack=torchao))
+    assert ours["shards"][-1]["placement"]["options"]["head_quantize"] == "8da8w"
+    assert all(a["sha256"] != b["sha256"] for a, b in zip(ours["shards"], plain["shards"]))
+    head_weights = ours["model"]["vocab_size"] * ours["model"]["dim"]
+    assert abs(ours["shards"][0]["size"] - plain["shards"][0]["size"]) < 1024
+    # int8 weights against int4 ones (two to a byte, plus a scale per 32), one copy in the shard.
+    assert 0.3 * head_weights < ours["shards"][-1]["size"] - plain["shards"][-1]["size"] < 0.6 * head_weights
 
 
 def test_embedding_quantize_needs_a_cpu_embedding_shard_and_a_fitting_group(tmp_path):

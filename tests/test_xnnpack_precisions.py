@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from composite.config import DEFAULT_OPTIONS
 from composite.lowering.xnnpack import half_form, quantize_linears, xnnpack_form
 from composite.manifest import DECODE, PREFILL
 from composite.model.default import load_default
@@ -46,7 +47,8 @@ def eager_tokens(shards: int, precision: str) -> list[int]:
         if precision == "fp16":
             form = Float32Boundary(half_form(xnnpack_form(shard, "kernel"), spec.has_head), spec)
         else:
-            form, _ = quantize_linears(xnnpack_form(shard, "kernel"), precision, 0)
+            options = {**DEFAULT_OPTIONS["xnnpack"], "quantize": precision}
+            form, _ = quantize_linears(xnnpack_form(shard, "kernel"), options)
             form.spec = spec
         modules.append(form)
     chain = eager_chain(model, modules, {DECODE: 1, PREFILL: PREFILL_LEN}, MAX_SEQ_LEN)

@@ -33,7 +33,7 @@ EXPORT_FLAGS = {
     "fp32": ["--quantize", "none"],
     "fp16": ["--dtype", "fp16"],
     "8da8w": ["--quantize", "8da8w"],
-    "8da4w": ["--quantize", "8da4w"],
+    "8da4w": ["--quantize", "8da4w", "--head-quantize", "same"],  # a 4-bit head, as export_llama's 8da4w has
 }
 # ExecuTorch's export_llama has no 8da8w that runs on XNNPACK (its torchao:8da8w packs for torchao's
 # own kernels), so that precision has no ExecuTorch peer.

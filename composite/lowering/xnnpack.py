@@ -154,37 +154,49 @@ def half_form(form: nn.Module, has_head: bool) -> nn.Module:
     return half
 
 
-def quantize_linears(module: torch.nn.Module, quantize: str, group_size: int) -> tuple[torch.nn.Module, list[str]]:
+def quantize_linears(module: torch.nn.Module, options: dict) -> tuple[torch.nn.Module, list[str]]:
     """A copy with 8-bit dynamically quantized activations and int4 (8da4w, grouped by group_size,
-    0 = per channel) or int8 (8da8w, per channel) weights; the caller's module keeps its float
-    weights. -> (module, notes on what was skipped)."""
+    0 = per channel) or int8 (8da8w, per channel) weights; the head (`output`) as head_quantize
+    says; scales as weight_mapping says. The caller's module keeps its float weights.
+    options: an XNNPACK placement's (composite/config.py). -> (module, notes on what was skipped)."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization.quant_primitives import MappingType
 
-    weight_dtype, per_channel = WEIGHT_SCHEMES[quantize]
-    group_size = 0 if per_channel else group_size
+    mapping = MappingType[options["weight_mapping"].upper()]
     module = copy.deepcopy(module)
     skipped = []
 
-    def takes(linear: torch.nn.Module, fqn: str) -> bool:
-        if not isinstance(linear, torch.nn.Linear):
-            return False
-        if group_size and linear.in_features % group_size:
-            skipped.append(fqn)
-            return False
-        return True
+    def config(scheme: str) -> tuple[Int8DynamicActivationIntxWeightConfig, int]:
+        weight_dtype, per_channel = WEIGHT_SCHEMES[scheme]
+        group_size = 0 if per_channel else options["group_size"]
+        granularity = PerAxis(0) if group_size == 0 else PerGroup(group_size)
+        quantized = Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=weight_dtype, weight_granularity=granularity, weight_mapping_type=mapping
+        )
+        return quantized, group_size
 
-    quantize_(
-        module,
-        Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=weight_dtype,
-            weight_granularity=PerAxis(0) if group_size == 0 else PerGroup(group_size),
-        ),
-        filter_fn=takes,
-    )
+    def takes(group_size: int, heads: bool):
+        def take(linear: torch.nn.Module, fqn: str) -> bool:
+            if not isinstance(linear, torch.nn.Linear) or (fqn == "output") != heads:
+                return False
+            if group_size and linear.in_features % group_size:
+                skipped.append(fqn)
+                return False
+            return True
+
+        return take
+
+    head = options["head_quantize"]
+    head_scheme = options["quantize"] if head == "same" else head
+    for scheme, heads in ((options["quantize"], False), (head_scheme, True)):
+        if scheme != "none":
+            quantized, group_size = config(scheme)
+            quantize_(module, quantized, filter_fn=takes(group_size, heads))
     notes = (
         [
-            f"{len(skipped)} linears left in fp32 (in_features not a multiple of group size {group_size}): {', '.join(skipped)}"
+            f"{len(skipped)} linears left in fp32 (in_features not a multiple of group size {options['group_size']}): "
+            f"{', '.join(skipped)}"
         ]
         if skipped
         else []
@@ -205,7 +217,7 @@ def lower(module, example_inputs: dict, names: dict, options: dict):
     notes = []
     if options.get("quantize", "none") != "none":
         for name in forms:
-            forms[name], notes = quantize_linears(forms[name], options["quantize"], options["group_size"])
+            forms[name], notes = quantize_linears(forms[name], options)
     encodings: dict[str, dict] = {method: {} for method in example_inputs}
     if options.get("dtype") == "fp16":
         has_head = next(iter(names.values()))[1][0] == "logits"
