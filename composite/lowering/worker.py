@@ -48,9 +48,12 @@ class ForkedWorker:
             status, value = pickle.load(self.pipe)
         except EOFError:
             status, value = "error", "the worker process died"
-        finally:
-            self.pipe.close()
-            os.waitpid(self.pid, 0)
+        except BaseException:  # e.g. SIGTERM while waiting: end the worker now, not when it is done
+            self.stop()
+            raise
+        self.pipe.close()
+        os.waitpid(self.pid, 0)
+        self.pid = None
         if status == "user_error":
             raise UserError(value)
         if status == "error":
@@ -58,14 +61,15 @@ class ForkedWorker:
         return value
 
     def stop(self) -> None:
-        """End the worker early (the export failed or was stopped)."""
+        """End the worker early (the export failed or was stopped); once is enough."""
+        if self.pid is None:
+            return
         try:
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
-        except ChildProcessError:
+        except (ChildProcessError, ProcessLookupError):
             pass
-        except ProcessLookupError:
-            pass
+        self.pid = None
         self.pipe.close()
 
 
