@@ -5,17 +5,33 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each stage's wall time goes to stderr, so a slow CI run says where its minutes went.
+stage_started=$SECONDS
+stage() {
+    echo "[test.sh] $1: $((SECONDS - stage_started)) s (total $SECONDS s)" >&2
+    stage_started=$SECONDS
+}
+
 python3 -m pip install --quiet -e '.[test]'
+stage "install"
 bash scripts/lint.sh                  # ruff + clang-format over the whole tree
+stage "lint"
 python3 -m composite.qnn_host install
+stage "qnn host libraries"
 bash scripts/build_runner.sh build
+stage "build runner"
 bash scripts/build_arm64.sh build-arm64   # cross-built runner, run under qemu by tests/test_arm64.py
+stage "build aarch64 runner"
 
 cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
 (cd build && "$cmake_bin" --output-on-failure)
+stage "ctest"
 bash scripts/sanitize.sh build-asan   # unit tests + one generation + bad inputs under ASan/UBSan
+stage "sanitizers"
 bash scripts/fuzz.sh 30 build-fuzz     # libFuzzer: manifest loader, tiktoken loader, both tokenizers
+stage "fuzzers"
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"
 export COMPOSITE_REQUIRE_QNN=1 COMPOSITE_REQUIRE_ARM64=1
-python3 -m pytest -q "$@"
+python3 -m pytest -q --durations=25 "$@"
+stage "pytest"
