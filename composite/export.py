@@ -492,13 +492,18 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None) -> Path:
         staging.replace_folder(folder, output)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
+        staging.finished(folder)
         raise
     print_summary(shards, time.perf_counter() - started, output, qnn_summary)
     return output
 
 
 def terminated(signum, _frame):
-    raise SystemExit(128 + signum)  # unwinds through run_export, which removes its staging folder
+    """Clean up here and leave at once. An exception raised from a signal handler can land where
+    Python ignores it (a fork hook, a finalizer: seen in CI), and the export would carry on."""
+    ForkedWorker.kill_all()
+    staging.remove_unfinished()
+    os._exit(128 + signum)
 
 
 @exits_cleanly

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from composite import manifest as manifest_schema
+from composite import staging
 
 SCHEMA = 1
 DEFAULT_MAX_MB = 20480
@@ -38,12 +39,13 @@ ENTRY_FILE, PTE_FILE = "entry.json", "shard.pte"
 PLACE_KEYS = ("index", "file", "export_seconds", "cache")
 
 
-def source_fingerprint() -> str:
-    """Changes whenever this package's Python (or C) source changes: lowered bytes depend on it."""
+def source_fingerprint(excluded: tuple[str, ...] = ("bench", "eval", "tune")) -> str:
+    """Changes whenever this package's Python (or C) source changes: lowered bytes depend on it.
+    The subpackages in `excluded` (default: those that never lower a shard) do not count."""
     digest = hashlib.sha256()
     package = Path(__file__).resolve().parent
     for path in sorted(package.rglob("*.py")) + sorted(package.rglob("*.c")):
-        if "bench" not in path.relative_to(package).parts:
+        if not set(excluded) & set(path.relative_to(package).parts):
             digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -117,7 +119,7 @@ class ShardCache:
         """Store a shard; a failure to write the cache costs the cache, never the export."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            private = Path(tempfile.mkdtemp(prefix=".new-", dir=self.root))
+            private = staging.unfinished(Path(tempfile.mkdtemp(prefix=".new-", dir=self.root)))
             shutil.copyfile(pte, private / PTE_FILE)
             stored = {k: v for k, v in entry.items() if k not in PLACE_KEYS}
             (private / ENTRY_FILE).write_text(json.dumps(stored))
@@ -127,6 +129,7 @@ class ShardCache:
                 os.rename(private, target)
             except OSError:  # another export stored the same shard first
                 shutil.rmtree(private, ignore_errors=True)
+            staging.finished(private)
             self._evict()
         except OSError as e:
             print(f"warning: could not store a shard in the cache {self.root}: {e.strerror}", file=sys.stderr)

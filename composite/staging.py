@@ -12,6 +12,24 @@ from pathlib import Path
 from composite import manifest as manifest_schema
 from composite.errors import UserError
 
+# Folders being written that a terminated export must remove (export.terminated): it cannot
+# unwind the stack, so it has to know them.
+_unfinished: set[Path] = set()
+
+
+def unfinished(folder: Path) -> Path:
+    _unfinished.add(folder)
+    return folder
+
+
+def finished(folder: Path) -> None:
+    _unfinished.discard(folder)
+
+
+def remove_unfinished() -> None:
+    for folder in list(_unfinished):
+        shutil.rmtree(folder, ignore_errors=True)
+
 
 def check_output(output: Path) -> None:
     """Refuse a target that cannot take an export before any slow work; say when one is replaced."""
@@ -33,7 +51,7 @@ def make_staging(output: Path) -> Path:
         for leftover in output.parent.glob(f".{output.name}.partial-*"):
             if not process_alive(leftover.name.rsplit(".partial-", 1)[1].split("-", 1)[0]):
                 shutil.rmtree(leftover, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-{os.getpid()}-", dir=output.parent))
+        return unfinished(Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-{os.getpid()}-", dir=output.parent)))
     except OSError as e:
         raise UserError(f"cannot write an export to {output}: {e.strerror}") from None
 
@@ -53,8 +71,10 @@ def replace_folder(staging: Path, output: Path) -> None:
     os.chmod(staging, 0o755)
     if not output.exists():
         os.rename(staging, output)
+        finished(staging)
         return
     retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
     os.rename(output, retired / "artifacts")
     os.rename(staging, output)
+    finished(staging)
     shutil.rmtree(retired, ignore_errors=True)

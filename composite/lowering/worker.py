@@ -10,11 +10,13 @@ their manifest entries; an error in it comes back as the error of the export.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
 import traceback
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -24,11 +26,20 @@ from composite.errors import UserError
 class ForkedWorker:
     """run(index) for each index, in a forked child; join() -> {index: result}."""
 
+    running: ClassVar[set[int]] = set()  # child pids, for kill_all
+
+    @classmethod
+    def kill_all(cls) -> None:
+        for pid in list(cls.running):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def __init__(self, run: Callable[[int], object], indices: list[int]):
         self.indices = indices
         read, write = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the child: do the work, report, and leave without running any cleanup
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the export's handler would remove its folder
             os.close(read)
             try:
                 torch.set_num_threads(1)
@@ -40,6 +51,7 @@ class ForkedWorker:
             with os.fdopen(write, "wb") as out:
                 pickle.dump(payload, out)
             os._exit(0)
+        ForkedWorker.running.add(self.pid)
         os.close(write)
         self.pipe = os.fdopen(read, "rb")
 
@@ -53,6 +65,7 @@ class ForkedWorker:
             raise
         self.pipe.close()
         os.waitpid(self.pid, 0)
+        ForkedWorker.running.discard(self.pid)
         self.pid = None
         if status == "user_error":
             raise UserError(value)
@@ -69,6 +82,7 @@ class ForkedWorker:
             os.waitpid(self.pid, 0)
         except (ChildProcessError, ProcessLookupError):
             pass
+        ForkedWorker.running.discard(self.pid)
         self.pid = None
         self.pipe.close()
 
