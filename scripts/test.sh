@@ -28,7 +28,7 @@ cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR
 stage "ctest"
 bash scripts/sanitize.sh build-asan   # unit tests + one generation + bad inputs under ASan/UBSan
 stage "sanitizers"
-bash scripts/fuzz.sh 30 build-fuzz     # libFuzzer: manifest loader, tiktoken loader, both tokenizers
+bash scripts/fuzz.sh 15 build-fuzz     # libFuzzer: manifest loader, tiktoken loader, both tokenizers
 stage "fuzzers"
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"

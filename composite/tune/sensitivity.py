@@ -1,0 +1,286 @@
+"""What a choice costs in quality: the KL divergence of the model's next-token distributions, with
+one group changed (or several, for a whole recipe), against the float model, on a text, in PyTorch.
+
+The text is cut and scored as composite.eval cuts and scores it (composite/eval/scoring.py), and
+the KLD is llama.cpp's (composite/eval/metrics.py). The float model runs each chunk once; the hidden
+state entering every group is kept, so a changed group's evaluation starts there.
+
+How each choice runs:
+- xnnpack:8da8w / 8da4w: the group's layers (or the head) quantized by the export's own
+  quantize_linears (torchao: int8 per-token activations, int8 or int4 weights), in eager PyTorch.
+  Per-token activation quantization makes a whole chunk at once the same as token by token.
+- qnn:16a8w / 16a4w / 8a8w: the graph the export builds for the shard (HTP form, QNN quantizer,
+  min/max observers), calibrated by the export's own calibration (the float chain fed the export's
+  calibration text), converted to its fake-quantized form (torchao's convert_pt2e), and called with
+  a KV cache of its own as a runner calls it. A layer group runs its prefill method's graph (calls
+  of prefill_len positions: ~30x fewer calls than one per token, and the same quantizer on inputs
+  of the same kind); the head its decode graph, one position per call. The HTP's own integer
+  kernels are not simulated: this is the quantizer's arithmetic, not the NPU's.
+- qnn:fp16: the same graphs' HTP form in float16 (norms accumulate in float32 as QNN's RmsNorm
+  does): an approximation of the HTP's fp16.
+- the embedding: the export's quantized table (composite/lowering/embedding.py).
+- xnnpack:fp32 is the float model: KLD 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from composite.config import DEFAULT_OPTIONS
+from composite.eval.scoring import chunks as cut_chunks
+from composite.eval.scoring import eval_tokens, first_scored
+from composite.lowering.calibration import calibrate
+from composite.lowering.embedding import QuantizedEmbedding
+from composite.lowering.htp_graph import htp_form
+from composite.lowering.xnnpack import quantize_linears
+from composite.manifest import DECODE, MASK_HIDDEN, PREFILL
+from composite.model.llama import cache_shapes, rope_cos_sin
+from composite.runtime.kv_cache import AttentionMask, KVCache
+from composite.split.plan import plan_shards
+from composite.split.shard import ShardModule, shard_io
+from composite.tune.candidates import Candidate, Group
+
+
+class Layers(nn.Module):
+    """A run of the model's decoder layers, as quantize_linears takes them (module paths
+    "layers.N...", the same as in the checkpoint)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, h, cos, sin):
+        for layer in self.layers:
+            h = layer.forward_full(h, cos, sin)
+        return h
+
+
+class Head(nn.Module):
+    def __init__(self, norm, output):
+        super().__init__()
+        self.norm, self.output = norm, output
+
+    def forward(self, h):
+        return self.output(self.norm(h))
+
+
+class CallByCall:
+    """A shard's graph called as a runner calls it, `width` positions per call with a KV cache of
+    its own layers: maps the hidden states of a whole chunk [1, T, dim] to its outputs [1, T, ...].
+    A head's graph (no layers) gets one position per call."""
+
+    def __init__(self, graph, n_layers: int, width: int, cache_shapes: tuple, max_seq_len: int, dtype=torch.float32):
+        self.graph, self.n_layers, self.width = graph, n_layers, width
+        self.shapes, self.max_seq_len, self.dtype = cache_shapes, max_seq_len, dtype
+
+    def __call__(self, h, cos=None, sin=None):
+        cache = KVCache(self.n_layers, *self.shapes)
+        mask = AttentionMask(self.width, self.max_seq_len, MASK_HIDDEN)
+        outputs = []
+        with torch.no_grad():
+            for pos in range(0, h.shape[1], self.width):
+                count = min(self.width, h.shape[1] - pos)
+                x = torch.zeros((1, self.width, h.shape[2]), dtype=self.dtype)
+                x[:, :count] = h[:, pos : pos + count]
+                inputs = [x]
+                if self.n_layers:
+                    inputs += [torch.arange(pos, pos + self.width), mask.at(pos).to(self.dtype)]
+                    for layer in range(self.n_layers):
+                        inputs += [cache.k[layer].to(self.dtype), cache.v[layer].to(self.dtype)]
+                out = self.graph(*inputs)
+                for layer in range(self.n_layers):
+                    cache.write(layer, out[1 + 2 * layer].float(), out[2 + 2 * layer].float(), pos, count)
+                outputs.append(out[0][:, :count].float())
+        return torch.cat(outputs, dim=1)
+
+
+class Sensitivity:
+    """The float model's pass over the text, and evaluations of recipes against it."""
+
+    def __init__(
+        self,
+        model,
+        groups: list[Group],
+        tokenizer,
+        bos_id: int | None,
+        text: str,
+        ctx: int,
+        limit_tokens: int | None,
+        score: str,
+        max_seq_len: int,
+        prefill_len: int,
+        group_size: int,
+        soc: str,
+    ):
+        self.model, self.groups, self.tokenizer, self.bos_id = model, groups, tokenizer, bos_id
+        self.max_seq_len, self.prefill_len, self.group_size, self.soc = max_seq_len, prefill_len, group_size, soc
+        self.chunks = cut_chunks(eval_tokens(tokenizer, text, limit_tokens), ctx, bos_id)
+        self.first = first_scored(ctx, score)
+        args = model.args
+        counts = [g.layer_end - g.layer_start for g in groups]
+        self.specs = plan_shards(args, len(groups), counts)
+        self.modules = [ShardModule(model, spec).eval() for spec in self.specs]
+        self.cos, self.sin = rope_cos_sin(model.inv_freq, torch.arange(ctx))
+        self.forms: dict[tuple[int, str], object] = {}
+        # Per chunk: the hidden state entering each layer group (and the final one, before the
+        # head's norm), and the float model's log-probabilities on the scored rows.
+        self.boundaries: list[dict[int, torch.Tensor]] = []
+        self.reference: list[torch.Tensor] = []
+        starts = {g.layer_start for g in groups if g.kind == "layers"} | {args.n_layers}
+        with torch.no_grad():
+            for chunk in self.chunks:
+                h = model.tok_embeddings(torch.tensor([chunk]))
+                saved = {}
+                for i, layer in enumerate(model.layers):
+                    if i in starts:
+                        saved[i] = h
+                    h = layer.forward_full(h, self.cos, self.sin)
+                saved[args.n_layers] = h
+                self.boundaries.append(saved)
+                self.reference.append(self._scored_logp(model.output(model.norm(h))).float())
+
+    @property
+    def scored_tokens(self) -> int:
+        return len(self.chunks) * (len(self.chunks[0]) - self.first)
+
+    def _scored_logp(self, logits: torch.Tensor) -> torch.Tensor:
+        """log-probabilities (float64) of the rows that predict the scored tokens."""
+        return torch.log_softmax(logits[0, self.first - 1 : -1].double(), dim=-1)
+
+    # The forms of each choice
+
+    def form(self, group: Group, choice):
+        key = (group.index, choice if isinstance(choice, str) else choice.name)
+        if key not in self.forms:
+            if isinstance(choice, Candidate) and choice.backend == "qnn" and choice.precision != "fp16":
+                self.prepare_qnn([(group, choice)])
+            else:
+                self.forms[key] = self._build(group, choice)
+        return self.forms[key]
+
+    def _build(self, group: Group, choice):
+        model = self.model
+        if group.kind == "embedding":
+            bits, group_size = (int(v) for v in choice.split(","))
+            return QuantizedEmbedding(model.tok_embeddings.weight, bits, group_size)
+        layers = [model.layers[i] for i in range(group.layer_start, group.layer_end)]
+        if choice.backend == "xnnpack":
+            base = Head(model.norm, model.output) if group.kind == "head" else Layers(layers)
+            options = {
+                **DEFAULT_OPTIONS["xnnpack"],
+                "quantize": choice.precision,
+                "group_size": self.group_size,
+                "head_quantize": "same",
+            }
+            return quantize_linears(base, options)[0].eval()
+        # qnn:fp16
+        half = htp_form(self.modules[group.index], self._positions(), linear_as_conv=False).half().eval()
+        return self._call_by_call(group, half, torch.float16)
+
+    def _positions(self) -> int:
+        return self.max_seq_len + self.prefill_len
+
+    def _method(self, group: Group) -> str:
+        """The method whose graph stands for a QNN group: a layer group's prefill (a chunk in calls
+        of prefill_len positions), the head's decode (its prefill method gives one row of logits)."""
+        return DECODE if group.kind == "head" else PREFILL
+
+    def _call_by_call(self, group: Group, graph, dtype=torch.float32) -> CallByCall:
+        n_layers = group.layer_end - group.layer_start
+        width = 1 if self._method(group) == DECODE else self.prefill_len
+        shapes = cache_shapes(self.model.args, self.max_seq_len)
+        return CallByCall(graph, n_layers, width, shapes, self.max_seq_len, dtype)
+
+    def prepare_qnn(self, pairs: list[tuple[Group, Candidate]]) -> None:
+        """Builds, calibrates (one pass of the float chain for all of them) and converts the
+        quantized QNN decode graphs of `pairs` not built yet."""
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+        from composite.lowering.qnn import QnnShardLowering
+
+        pairs = [(g, c) for g, c in pairs if (g.index, c.name) not in self.forms]
+        if not pairs:
+            return
+        jobs: dict[int, list] = {}
+        for group, candidate in pairs:
+            spec = self.specs[group.index]
+            method = self._method(group)
+            width = 1 if method == DECODE else self.prefill_len
+            inputs, outputs = shard_io(self.model.args, spec, width, self.max_seq_len)
+            examples = {method: tuple(t.example() for t in inputs)}
+            names = {method: ([t.name for t in inputs], [t.name for t in outputs])}
+            options = {
+                **DEFAULT_OPTIONS["qnn"],
+                "soc": self.soc,
+                "precision": candidate.precision,
+                "weight_sharing": False,
+            }
+            job = QnnShardLowering(self.modules[group.index], examples, names, options, self._positions())
+            jobs.setdefault(group.index, []).append((group, candidate, job))
+
+        def consumer(index):
+            def observe(method, inputs):
+                for group, _, job in jobs[index]:
+                    if method == self._method(group):
+                        job.observe(method, inputs)
+
+            return observe
+
+        methods = {DECODE: 1, PREFILL: self.prefill_len}
+        consumers = {index: consumer(index) for index in jobs}
+        calibrate(self.model, self.modules, consumers, methods, self.max_seq_len, {}, self.tokenizer, self.bos_id)
+        for entries in jobs.values():
+            for group, candidate, job in entries:
+                graph = convert_pt2e(job.graphs[self._method(group)])
+                self.forms[(group.index, candidate.name)] = self._call_by_call(group, graph)
+
+    # Evaluation
+
+    def logits(self, chunk_index: int, recipe: dict[int, object]) -> torch.Tensor:
+        """The model's logits [1, T, vocab] on one chunk with the groups in `recipe` (group index ->
+        choice) changed and the rest float."""
+        changed = sorted(recipe)
+        model, saved = self.model, self.boundaries[chunk_index]
+        first = self.groups[changed[0]]
+        if first.kind == "embedding":
+            h = self.form(first, recipe[first.index])(torch.tensor([self.chunks[chunk_index]]))
+            start = 0
+        elif first.kind == "layers":
+            h, start = saved[first.layer_start], first.layer_start
+        else:
+            h, start = saved[model.args.n_layers], model.args.n_layers
+        with torch.no_grad():
+            for group in self.groups:
+                if group.kind != "layers" or group.layer_start < start:
+                    continue
+                if group.index in recipe:
+                    h = self.form(group, recipe[group.index])(h, self.cos, self.sin)
+                else:
+                    for i in range(group.layer_start, group.layer_end):
+                        h = model.layers[i].forward_full(h, self.cos, self.sin)
+            head = self.groups[-1]
+            if head.index in recipe:
+                return self.form(head, recipe[head.index])(h)
+            return model.output(model.norm(h))
+
+    def evaluate(self, recipe: dict[int, object]) -> dict:
+        """Mean KLD against the float model and top-1 agreement over the scored tokens."""
+        recipe = {i: c for i, c in recipe.items() if not (isinstance(c, Candidate) and c.is_float) and c != "none"}
+        if not recipe:
+            return {"kld": 0.0, "top1": 1.0, "seconds": 0.0}
+        started = time.perf_counter()
+        total, same, count = 0.0, 0, 0
+        for i, reference in enumerate(self.reference):
+            logq = self._scored_logp(self.logits(i, recipe))
+            logp = reference.double()
+            total += float((logp.exp() * (logp - logq)).sum())
+            same += int((logp.argmax(-1) == logq.argmax(-1)).sum())
+            count += logp.shape[0]
+        return {"kld": total / count, "top1": same / count, "seconds": round(time.perf_counter() - started, 2)}
+
+    def release(self, group: Group, choice) -> None:
+        """Drop a built form (they hold copies of weights)."""
+        self.forms.pop((group.index, choice if isinstance(choice, str) else choice.name), None)

@@ -1,0 +1,162 @@
+"""composite.tune on the tiny default: the recipe it picks is the best within the budget over its own
+measurements, its config exports as it says (sizes, and the KLD composite.eval measures on the
+export), a second budget reuses the measurements, and bad input gets one line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from composite.config import build_config
+from composite.tune.search import Option, best_within, frontier
+from conftest import assert_clean_failure, run_cli
+
+# Real text from a Debian package: base-files ships the GNU GPL's text.
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+SMALL = ["--ctx", "64", "--limit-tokens", "256", "--max-seq-len", "64", "--prefill-len", "16", "--shards", "4"]
+MIXED = ["--candidates", "qnn:16a4w,xnnpack:fp32,xnnpack:8da4w", "--embedding", "none|4,32"]
+
+pytestmark = pytest.mark.skipif(not TEXT.is_file(), reason=f"{TEXT} (Debian's base-files) is not on this machine")
+
+
+def tune(folder: Path, budget_mb: float, *flags: str) -> dict:
+    args = ["--text", str(TEXT), "--budget-mb", str(budget_mb), "--output", str(folder / "tuned.yaml")]
+    args += ["--cache-dir", str(folder / "cache"), *SMALL, *flags, "--json"]
+    return json.loads(run_cli("composite.tune", *args, check=True).stdout)
+
+
+def best_by_brute_force(result: dict, budget_mb: float) -> float:
+    """The lowest summed KLD of any one-choice-per-group combination within the budget."""
+    per_group = [list(g["choices"].values()) for g in result["groups"]]
+    best = float("inf")
+    for combination in itertools.product(*per_group):
+        if sum(c["mb"] for c in combination) <= budget_mb + 1e-9:
+            best = min(best, sum(c["kld"] for c in combination))
+    return best
+
+
+def tune_again(folder: Path, name: str, budget_mb: float, *flags: str) -> tuple[Path, dict]:
+    """A second run in folder/name on the first run's measurement cache; its own YAML."""
+    again = folder / name
+    again.mkdir()
+    (again / "cache").symlink_to(folder / "cache")
+    return again, tune(again, budget_mb, *flags)
+
+
+@pytest.fixture(scope="module")
+def mixed(qnn_ready, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tune_mixed")
+    return folder, tune(folder, 1.6, *MIXED)
+
+
+def test_the_frontier_is_the_exact_optimum_of_every_budget():
+    rng = random.Random(7)
+    groups = [
+        [Option(g, c, rng.randrange(1, 40), 0, rng.random()) for c in range(rng.randrange(1, 5))] for g in range(6)
+    ]
+    recipes = frontier(groups)
+    assert all(a.bytes < b.bytes and a.kld > b.kld for a, b in itertools.pairwise(recipes))
+    for budget in range(0, 250, 7):
+        fits = [c for c in itertools.product(*groups) if sum(o.bytes for o in c) <= budget]
+        chosen = best_within(recipes, budget)
+        if not fits:
+            assert chosen is None
+            continue
+        assert chosen.kld == pytest.approx(min(sum(o.kld for o in c) for c in fits))
+        assert chosen.bytes <= budget
+
+
+def test_the_chosen_recipe_is_the_best_within_the_budget(mixed):
+    _, result = mixed
+    chosen = result["chosen"]
+    assert chosen["mb"] <= 1.6
+    assert chosen["kld_predicted"] == pytest.approx(best_by_brute_force(result, 1.6), rel=1e-9)
+    groups = {g["group"]: g["choices"] for g in result["groups"]}
+    assert list(groups) == ["embedding", "layers 0-2", "layers 3-5", "head"]
+    # The float choices cost nothing; every quantized one costs something and is smaller.
+    for name in ("layers 0-2", "layers 3-5", "head"):
+        assert groups[name]["xnnpack:fp32"]["kld"] == 0.0
+        for quantized in ("xnnpack:8da4w", "qnn:16a4w"):
+            assert groups[name][quantized]["kld"] > 0
+            assert groups[name][quantized]["mb"] < groups[name]["xnnpack:fp32"]["mb"] / 4
+    assert groups["embedding"]["embedding 4,32"]["kld"] > groups["embedding"]["embedding none"]["kld"] == 0.0
+    assert chosen["kld_whole"] > 0
+
+
+def test_the_tuned_config_is_the_chosen_recipe(mixed):
+    folder, result = mixed
+    path = folder / "tuned.yaml"
+    config = build_config(str(path), {})
+    data = yaml.safe_load(path.read_text())
+    assert data["layers_per_shard"] == [0, 3, 3, 0] and data["shards"] == 4
+    chosen = result["chosen"]["recipe"].split(" | ")
+    assert data.get("embedding_quantize", "none") == chosen[0].removeprefix("emb ")
+    for placement, name in zip(config.placements()[1:], chosen[1:]):
+        backend, precision = name.split(":")
+        assert placement.backend == backend
+        if backend == "qnn":
+            assert placement.options["precision"] == precision
+        else:
+            assert placement.options["quantize"] == ("none" if precision == "fp32" else precision)
+    assert (folder / "tuned.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.read_text().startswith("# composite.tune:")
+
+
+def test_another_budget_reuses_every_measurement(mixed):
+    folder, first = mixed
+    _, second = tune_again(folder, "other_budget", 0.9, *MIXED)
+    assert all(c["cached"] for g in second["groups"] for c in g["choices"].values())
+    assert [g["choices"] for g in second["groups"]] == [
+        {k: {**v, "cached": True} for k, v in g["choices"].items()} for g in first["groups"]
+    ]
+    assert second["chosen"]["mb"] <= 0.9
+    assert second["chosen"]["kld_predicted"] == pytest.approx(best_by_brute_force(second, 0.9), rel=1e-9)
+
+
+def test_the_same_budget_again_writes_the_same_config(mixed):
+    folder, _ = mixed
+    again, _ = tune_again(folder, "same_budget", 1.6, *MIXED)
+    assert (again / "tuned.yaml").read_text() == (folder / "tuned.yaml").read_text()
+
+
+def test_a_budget_above_the_float_size_gives_the_float_model(mixed):
+    folder, _ = mixed
+    _, result = tune_again(folder, "large_budget", 1000, *MIXED)
+    assert result["chosen"]["recipe"] == "emb none | xnnpack:fp32 | xnnpack:fp32 | xnnpack:fp32"
+    assert result["chosen"]["kld_predicted"] == 0.0
+
+
+def test_verify_exports_the_recipe_and_measures_what_was_predicted(tmp_path):
+    flags = ["--shards", "3", "--candidates", "xnnpack:fp32,xnnpack:8da8w", "--embedding", "none|8,0", "--verify"]
+    result = tune(tmp_path, 1.2, *flags)
+    chosen, verified = result["chosen"], result["verified"]
+    # XNNPACK runs the eager model's arithmetic: the export's KLD is the one measured in PyTorch.
+    assert verified["kld"] == pytest.approx(chosen["kld_whole"], rel=0.05, abs=1e-6)
+    # Stored bytes: the formula's, plus each .pte's program (a few KB per shard).
+    assert chosen["mb"] * 1e6 <= verified["pte_bytes"] <= chosen["mb"] * 1e6 * 1.05 + 3 * 50_000
+
+
+def test_bad_input_gets_one_line(tmp_path):
+    base = ["--text", str(TEXT), "--output", str(tmp_path / "t.yaml"), "--cache-dir", str(tmp_path / "c"), *SMALL]
+    cases = [
+        (["--budget-mb", "2", "--candidates", "qnn:16a2w"], "unknown candidate 'qnn:16a2w'"),
+        (["--budget-mb", "2", "--embedding", "8,0|2,16"], "unknown embedding choice '2,16'"),
+        (["--budget-mb", "0.01"], "below the smallest recipe"),
+        (["--budget-mb", "2", "--shards", "2"], "at least 3"),
+        (["--budget-mb", "-1"], "--budget-mb must be positive"),
+    ]
+    for flags, phrase in cases:
+        assert_clean_failure(run_cli("composite.tune", *base, *flags), phrase)
+    missing = ["--text", str(tmp_path / "none.txt"), "--budget-mb", "2", "--output", str(tmp_path / "t.yaml")]
+    assert_clean_failure(run_cli("composite.tune", *missing), "does not exist")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert_clean_failure(run_cli("composite.tune", *base[2:], "--text", str(empty), "--budget-mb", "2"), "is empty")
+    not_yaml = ["--text", str(TEXT), "--budget-mb", "2", "--output", str(tmp_path / "t.json")]
+    assert_clean_failure(run_cli("composite.tune", *not_yaml), ".yaml")
+    assert not (tmp_path / "t.yaml").exists()
