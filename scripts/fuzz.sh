@@ -1,20 +1,14 @@
 #!/usr/bin/env bash
-# Build the libFuzzer targets with clang + ASan/UBSan and run each for a bounded time from its seed
-# corpus in tests/fuzz/<target>/ (inputs found during the run go to the build tree, not the repo).
+# Build the libFuzzer targets with clang + ASan/UBSan (scripts/build_sanitized.sh) and run each for
+# a bounded time from its seed corpus in tests/fuzz/<target>/ (inputs found during the run go to the build tree, not the repo).
 # A crash fails the script and leaves the input in <build>/crashes/; fix the bug and add the input
 # to the seed corpus as a regression test. Usage: scripts/fuzz.sh [seconds-per-target] [build-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
-build=${2:-build-fuzz}
+build=${2:-build-sanitized}
 
-if ! command -v clang++ >/dev/null; then
-  if [ "$(id -u)" -ne 0 ]; then echo "error: clang is missing; run: sudo apt-get install clang" >&2; exit 2; fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null
-fi
-CC=clang CXX=clang++ bash scripts/build_runner.sh "$build" -DCOMPOSITE_FUZZ=ON -DCOMPOSITE_SANITIZE=ON \
-  -DCOMPOSITE_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+bash scripts/build_sanitized.sh "$build" >/dev/null
 
 # Valid tokenizers for the text fuzzer: the embedded default's SentencePiece model and a small
 # tiktoken ranks file, both made from the package's corpus, and the tokenizer.json seed.

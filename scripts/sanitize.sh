@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Build the C++ unit tests and composite_runner with AddressSanitizer + UndefinedBehaviorSanitizer,
-# run the unit tests, one end-to-end generation and a few bad inputs under them. Any sanitizer
-# report fails the script. Usage: scripts/sanitize.sh [build-dir]
+# Build the C++ unit tests and composite_runner with AddressSanitizer + UndefinedBehaviorSanitizer
+# (scripts/build_sanitized.sh), run the unit tests, one end-to-end generation and a few bad inputs
+# under them. Any sanitizer report fails the script. Usage: scripts/sanitize.sh [build-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${1:-build-asan}
-bash scripts/build_runner.sh "$build" -DCOMPOSITE_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
+build=${1:-build-sanitized}
+bash scripts/build_sanitized.sh "$build"
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 "$build/composite_unit_tests" --gtest_brief=1
