@@ -29,5 +29,6 @@ setup(
         "pyelftools",  # composite.deploy reads the runner's shared-library closure
     ],
     # transformers reads GGUF files with gguf and accelerate: the tests' reference for them.
-    extras_require={"test": ["pytest", "transformers", "accelerate", "ruff==0.17.6"]},
+    # pytest-xdist: scripts/test.sh runs the tests in two processes, one per core.
+    extras_require={"test": ["pytest", "pytest-xdist", "transformers", "accelerate", "ruff==0.17.6"]},
 )

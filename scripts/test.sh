@@ -26,12 +26,14 @@ stage "build aarch64 runner"
 cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
 (cd build && "$cmake_bin" --output-on-failure)
 stage "ctest"
-bash scripts/sanitize.sh build-asan   # unit tests + one generation + bad inputs under ASan/UBSan
+bash scripts/sanitize.sh build-sanitized   # unit tests + one generation + bad inputs under ASan/UBSan
 stage "sanitizers"
-bash scripts/fuzz.sh 15 build-fuzz     # libFuzzer: manifest loader, tiktoken loader, both tokenizers
+bash scripts/fuzz.sh 15 build-sanitized    # libFuzzer (the same build): manifest, tiktoken, both tokenizers
 stage "fuzzers"
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"
 export COMPOSITE_REQUIRE_QNN=1 COMPOSITE_REQUIRE_ARM64=1
-python3 -m pytest -q --durations=25 "$@"
+# Two worker processes, one per core (lowering is mostly single-threaded Python); each test file
+# runs in one of them, and the session exports they share are made once (tests/conftest.py).
+python3 -m pytest -q -n 2 --dist loadfile --durations=25 "$@"
 stage "pytest"

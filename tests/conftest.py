@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 RUNNER = Path(os.environ.get("COMPOSITE_BUILD_DIR", REPO / "build")) / "composite_runner"
 FP16_PLACEMENT = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]
 SHARD_COUNTS = (1, 2, 3, 6)
+# The Llama-3-style model's features (GQA, scaled RoPE, tied embeddings) do not depend on the cut.
+LLAMA3_SHARD_COUNTS = (3,)
 PREFILL_LEN = 12  # a 32-token prompt then takes two full chunks and one padded chunk
 MAX_SEQ_LEN = 96
 
@@ -133,37 +138,80 @@ def write_meta_checkpoint(folder: Path, params: dict, seed: int) -> Path:
 
 
 @pytest.fixture(scope="session")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("composite")
+def workdir(tmp_path_factory, worker_id) -> Path:
+    """One folder for the whole run: under pytest-xdist, shared by its workers (each session fixture
+    that writes here is made by whichever worker needs it first: made_once)."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent
+    folder = root / "composite"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def made_once(path: Path, make) -> Path:
+    """`path` (a file or folder), made by make(where) unless an earlier call, in any xdist worker,
+    made it; the others wait for it. make writes elsewhere and `path` appears only when complete."""
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            partial = path.with_name(f".{path.name}.partial")
+            if partial.is_dir():
+                shutil.rmtree(partial)
+            partial.unlink(missing_ok=True)
+            make(partial)
+            partial.rename(path)
+    return path
+
+
+class SharedExports(Mapping):
+    """shard count -> export of that many shards, each made on first use (by one xdist worker)."""
+
+    def __init__(self, workdir: Path, prefix: str, counts, **overrides):
+        self.workdir, self.prefix, self.counts, self.overrides = workdir, prefix, counts, overrides
+
+    def __getitem__(self, n: int) -> Path:
+        if n not in self.counts:
+            raise KeyError(n)
+        return made_once(self.workdir / f"{self.prefix}_{n}", lambda path: export(path, shards=n, **self.overrides))
+
+    def __iter__(self):
+        return iter(self.counts)
+
+    def __len__(self) -> int:
+        return len(self.counts)
 
 
 @pytest.fixture(scope="session")
-def default_exports(workdir) -> dict[int, Path]:
-    return {n: export(workdir / f"default_{n}", shards=n) for n in SHARD_COUNTS}
+def default_exports(workdir) -> Mapping[int, Path]:
+    return SharedExports(workdir, "default", SHARD_COUNTS)
 
 
 @pytest.fixture(scope="session")
 def default_8da4w_export(workdir) -> Path:
-    return export(workdir / "default_3_8da4w", shards=3, xnnpack={"quantize": "8da4w", "group_size": 32})
+    return made_once(
+        workdir / "default_3_8da4w", lambda p: export(p, shards=3, xnnpack={"quantize": "8da4w", "group_size": 32})
+    )
 
 
 @pytest.fixture(scope="session")
 def llama3_checkpoint(workdir) -> Path:
-    return write_meta_checkpoint(workdir / "llama3_ckpt", LLAMA3_PARAMS, seed=7)
+    folder = made_once(workdir / "llama3_ckpt", lambda p: write_meta_checkpoint(p, LLAMA3_PARAMS, seed=7))
+    return folder / "consolidated.00.pth"
 
 
 @pytest.fixture(scope="session")
-def llama3_exports(workdir, llama3_checkpoint) -> dict[int, Path]:
-    return {n: export(workdir / f"llama3_{n}", shards=n, checkpoint=str(llama3_checkpoint)) for n in SHARD_COUNTS}
+def llama3_exports(workdir, llama3_checkpoint) -> Mapping[int, Path]:
+    return SharedExports(workdir, "llama3", LLAMA3_SHARD_COUNTS, checkpoint=str(llama3_checkpoint))
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(workdir) -> Path:
     from composite.model.default import load_default
 
-    path = workdir / "default_tokenizer.model"
-    path.write_bytes(load_default().tokenizer_path.read_bytes())
-    return path
+    return made_once(
+        workdir / "default_tokenizer.model", lambda p: p.write_bytes(load_default().tokenizer_path.read_bytes())
+    )
 
 
 @pytest.fixture(scope="session")
@@ -185,4 +233,4 @@ def qnn_ready():
 
 @pytest.fixture(scope="session")
 def qnn_fp16_export(qnn_ready, workdir):
-    return export(workdir / "qnn_fp16_6", shards=6, placement=FP16_PLACEMENT)
+    return made_once(workdir / "qnn_fp16_6", lambda p: export(p, shards=6, placement=FP16_PLACEMENT))

@@ -9,11 +9,11 @@ import subprocess
 import pytest
 import torch
 
-from composite.manifest import MASK_HIDDEN
+from composite.manifest import MASK_HIDDEN, read
 from composite.model.llama import Attention, ModelArgs, rope_cos_sin
 from composite.ops.attention import kernel_library, load_kernels, reference
 from composite.runtime.kv_cache import AttentionMask
-from conftest import RUNNER, export, one_error_line, run_cli
+from conftest import RUNNER, one_error_line, run_cli
 
 S = 16  # cache slots
 SHAPES = {"MHA": (2, 1, 8), "GQA": (2, 3, 8), "odd": (1, 2, 6)}  # kv heads, query heads per kv head, head dim
@@ -100,11 +100,11 @@ def test_reference_equals_the_models_masked_attention(shape):
 
 
 @pytest.fixture(scope="module")
-def kernel_export(workdir, llama3_checkpoint):
-    """The Llama-3-style model (GQA, 5 layers) in 3 shards with composite::attention."""
-    return export(
-        workdir / "llama3_kernel_3", shards=3, checkpoint=str(llama3_checkpoint), xnnpack={"attention": "kernel"}
-    )
+def kernel_export(llama3_exports):
+    """The Llama-3-style model (GQA, 5 layers) in 3 shards with composite::attention (the default)."""
+    manifest = read(llama3_exports[3])
+    assert all(s["placement"]["options"]["attention"] == "kernel" for s in manifest["shards"])
+    return llama3_exports[3]
 
 
 def test_an_export_with_the_kernel_gives_the_eager_model_in_both_runners(kernel_export, tmp_path):

@@ -10,7 +10,7 @@ from composite.runtime.chain import ShardChain
 from composite.runtime.generate import generate
 from composite.runtime.reference import generate_reference, reference_model
 from composite.runtime.sampler import Sampler
-from conftest import PREFILL_LEN, SHARD_COUNTS
+from conftest import LLAMA3_SHARD_COUNTS, PREFILL_LEN, SHARD_COUNTS
 
 PROMPT_LEN, DECODE_STEPS = 32, 32
 
@@ -44,7 +44,7 @@ def test_embedded_default(default_exports, n):
     assert all(s["backends"] == ["XnnpackBackend"] for s in manifest["shards"])
 
 
-@pytest.mark.parametrize("n", SHARD_COUNTS)
+@pytest.mark.parametrize("n", LLAMA3_SHARD_COUNTS)
 def test_llama3_style(llama3_exports, n):
     manifest = compare(llama3_exports[n])
     model = manifest["model"]
