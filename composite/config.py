@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from dataclasses import dataclass, field
 
 import yaml
@@ -388,3 +389,25 @@ def config_from_flags(args) -> ExportConfig:
         config.qnn["weight_sharing"] = False
     config.placements()
     return config
+
+
+def check_group_sizes(args, placements: list) -> None:
+    """8da4w groups must divide a linear's input width, or that linear stays fp32: say so before
+    any lowering, and refuse a group size that would leave every linear unquantized."""
+    widths = {"dim": args.dim, "hidden_dim": args.hidden_dim, "n_heads x head_dim": args.n_heads * args.head_dim}
+    for group in sorted(
+        {
+            p.options["group_size"]
+            for p in placements
+            if p.backend == "xnnpack" and p.options["quantize"] == "8da4w" and p.options["group_size"]
+        }
+    ):
+        misfits = {name: width for name, width in widths.items() if width % group}
+        described = ", ".join(f"{name} {width}" for name, width in misfits.items())
+        if len(misfits) == len(widths):
+            raise UserError(
+                f"--group-size {group} divides none of this model's linear input widths ({described}): "
+                "nothing would be quantized; choose a divisor of them (e.g. 32), or 0 for per channel"
+            )
+        if misfits:
+            print(f"warning: group size {group} does not divide {described}: those linears stay fp32", file=sys.stderr)

@@ -27,18 +27,16 @@ import uuid
 from pathlib import Path
 
 import torch
-from executorch.runtime import Runtime
 from tqdm import tqdm
 
 import composite
 from composite import chat_template, qnn_host, shard_cache, staging
 from composite import manifest as manifest_schema
-from composite.config import ExportConfig, Placement, config_from_flags
+from composite.config import ExportConfig, Placement, check_group_sizes, config_from_flags
 from composite.errors import UserError, exits_cleanly
 from composite.lowering import LoweredShard, embedding, finish, lower_shard
 from composite.lowering.calibration import calibration_text
 from composite.lowering.worker import ForkedWorker, split_work
-from composite.lowering.xnnpack import check_group_sizes
 from composite.manifest import DECODE, PREFILL
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
@@ -331,6 +329,8 @@ def write_shard(
             "outputs": manifest_schema.tensor_entries(o, {n: q for (side, n), q in native.items() if side == "out"}),
         }
     entry = manifest_schema.shard_entry(path, spec, placement, lowered, described, seconds)
+    from executorch.runtime import Runtime  # ExecuTorch's whole exir: not loaded before an export gets here
+
     manifest_schema.check_against_program(Runtime.get().load_program(path), entry)
     return entry
 

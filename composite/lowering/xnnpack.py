@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 
 import torch
-from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from executorch.exir import to_edge_transform_and_lower
 from torch import nn
 
-from composite.errors import UserError
 from composite.lowering import native_io
 from composite.lowering.program import export_methods
 from composite.model.llama import Attention, FeedForward, RMSNorm, rope_cos_sin
@@ -227,27 +223,9 @@ def lower(module, example_inputs: dict, names: dict, options: dict):
     for method, inputs in example_inputs.items():
         form = forms["kernel"] if "kernel" in forms and inputs[0].shape[1] == 1 else forms["graph"]
         exported.update(export_methods(form, {method: inputs}))
+    # ExecuTorch's exir loads here, not on import: composite.tune quantizes with this module in eager PyTorch.
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     return edge, notes, encodings
-
-
-def check_group_sizes(args, placements: list) -> None:
-    """8da4w groups must divide a linear's input width, or that linear stays fp32: say so before
-    any lowering, and refuse a group size that would leave every linear unquantized."""
-    widths = {"dim": args.dim, "hidden_dim": args.hidden_dim, "n_heads x head_dim": args.n_heads * args.head_dim}
-    for group in sorted(
-        {
-            p.options["group_size"]
-            for p in placements
-            if p.backend == "xnnpack" and p.options["quantize"] == "8da4w" and p.options["group_size"]
-        }
-    ):
-        misfits = {name: width for name, width in widths.items() if width % group}
-        described = ", ".join(f"{name} {width}" for name, width in misfits.items())
-        if len(misfits) == len(widths):
-            raise UserError(
-                f"--group-size {group} divides none of this model's linear input widths ({described}): "
-                "nothing would be quantized; choose a divisor of them (e.g. 32), or 0 for per channel"
-            )
-        if misfits:
-            print(f"warning: group size {group} does not divide {described}: those linears stay fp32", file=sys.stderr)
