@@ -31,6 +31,7 @@ import torch
 
 from composite import manifest as manifest_schema
 from composite import staging
+from composite.errors import UserError
 
 SCHEMA = 1
 DEFAULT_MAX_MB = 20480
@@ -79,11 +80,14 @@ class ShardCache:
         root = os.environ.get("COMPOSITE_CACHE") or Path.home() / ".cache" / "composite" / "shards"
         if str(root).lower() == "off":
             return None
+        limit = os.environ.get("COMPOSITE_CACHE_MAX_MB", str(DEFAULT_MAX_MB))
         try:
-            max_mb = int(os.environ.get("COMPOSITE_CACHE_MAX_MB", DEFAULT_MAX_MB))
+            max_mb = int(limit)
         except ValueError:
-            max_mb = DEFAULT_MAX_MB
-        return cls(Path(root), max(0, max_mb) * 1024 * 1024)
+            max_mb = -1
+        if max_mb < 0:
+            raise UserError(f"COMPOSITE_CACHE_MAX_MB must be a whole number of megabytes >= 0, got {limit!r}")
+        return cls(Path(root), max_mb * 1024 * 1024)
 
     def _folder(self, key: str) -> Path:
         return self.root / key[:2] / key

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from composite import manifest as manifest_schema
-from conftest import MAX_SEQ_LEN, PREFILL_LEN, REPO, run_cli
+from conftest import MAX_SEQ_LEN, PREFILL_LEN, REPO, assert_clean_failure, run_cli
 
 PROMPT_IDS = "1,17,230,45,99,301,7,12,400,5"
 
@@ -157,3 +157,12 @@ def test_a_calibration_setting_changes_the_qnn_shards_key_only(qnn_ready):
     base = keys_for(model, placements, calibration={"samples": 8})
     other = keys_for(model, placements, calibration={"samples": 9})
     assert [base[i] == other[i] for i in range(3)] == [True, False, True]
+
+
+@pytest.mark.parametrize("limit", ["lots", "-5"])
+def test_a_cache_size_limit_that_is_not_a_size_gets_one_line(tmp_path, limit):
+    env = {**os.environ, "COMPOSITE_CACHE": str(tmp_path / "cache"), "COMPOSITE_CACHE_MAX_MB": limit}
+    output = tmp_path / "out"
+    result = run_cli("composite.export", "--shards", "2", "--output", str(output), env=env)
+    assert_clean_failure(result, f"COMPOSITE_CACHE_MAX_MB must be a whole number of megabytes >= 0, got '{limit}'")
+    assert not output.exists() and not (tmp_path / "cache").exists()
