@@ -260,12 +260,15 @@ def plot(path: Path, recipes: list[Recipe], uniform: dict[str, Recipe], chosen: 
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     ax.step([r.bytes / MB for r in recipes], [r.kld for r in recipes], where="post", label="tuned (Pareto frontier)")
-    for label, recipe in uniform.items():
+    for i, (label, recipe) in enumerate(sorted(uniform.items(), key=lambda item: item[1].bytes)):
         ax.scatter(recipe.bytes / MB, recipe.kld, marker="s", s=18, color="gray")
-        ax.annotate(label, (recipe.bytes / MB, recipe.kld), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        # Neighbours alternate above and below their point: uniform recipes of close sizes stay legible.
+        offset = (3, 3) if i % 2 == 0 else (3, -9)
+        ax.annotate(label, (recipe.bytes / MB, recipe.kld), fontsize=6, xytext=offset, textcoords="offset points")
     ax.scatter(chosen.bytes / MB, chosen.kld, marker="*", s=160, color="red", zorder=3, label="chosen")
     ax.axvline(budget, linestyle="--", color="red", linewidth=0.8, label=f"budget {budget:g} MB")
-    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_yscale("symlog", linthresh=1e-4)  # a log scale that still shows the float recipe's 0
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("weights, MB")
     ax.set_ylabel("predicted mean KLD against the float model")
     ax.legend(fontsize=7)
