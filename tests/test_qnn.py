@@ -318,3 +318,41 @@ def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, tmp_path, pre
     assert len(cpp.stderr.strip().splitlines()) == 1 and cpp.stderr.startswith("prompt "), cpp.stderr
     verbose = run_cli("composite.run", "--artifacts", str(out), "--prompt", "hi", "--max-new-tokens", "2", "--verbose")
     assert "[INFO] [Qnn ExecuTorch]" in verbose.stderr  # kept behind --verbose, not lost
+
+
+def test_linear_time_observers_prepare_the_same_graph(qnn_ready):
+    """prepare_pt2e with its quadratic name search and argument copies removed gives the graph,
+    observers and (after the same inputs) observed ranges that the stock prepare_pt2e gives."""
+    import copy
+
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    from composite.config import DEFAULT_OPTIONS
+    from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
+    from composite.lowering.qnn import linear_time_observers, quantizer_for
+    from composite.model.default import load_default
+    from composite.split.plan import plan_shards
+    from composite.split.shard import ShardModule, shard_io
+
+    model = load_default().model.eval()
+    spec = plan_shards(model.args, 3, None)[1]
+    inputs, _ = shard_io(model.args, spec, 4, 32)
+    example = tuple(t.example() for t in inputs)
+    htp = htp_form(ShardModule(model, spec).eval(), 36, linear_as_conv=True, mask_floor=QUANTIZED_MASK_FLOOR)
+    graph = torch.export.export(htp.eval(), example, strict=False).module()
+    options = {**DEFAULT_OPTIONS["qnn"], "precision": "16a4w"}
+    stock = prepare_pt2e(copy.deepcopy(graph), quantizer_for(options))
+    with linear_time_observers():
+        fast = prepare_pt2e(graph, quantizer_for(options))
+    assert fast.code == stock.code
+    observers = [(name, type(m).__name__) for name, m in fast.named_modules()]
+    assert observers == [(name, type(m).__name__) for name, m in stock.named_modules()]
+    assert any(kind == "ConcatObserver" for _, kind in observers)
+    generator = torch.Generator().manual_seed(0)
+    call = tuple(t + 0.1 * torch.randn(t.shape, generator=generator) if t.is_floating_point() else t for t in example)
+    with torch.no_grad():
+        fast(*call)
+        stock(*call)
+    ranges, expected = fast.state_dict(), stock.state_dict()
+    assert ranges.keys() == expected.keys()
+    assert all(torch.equal(ranges[k], expected[k]) for k in ranges)

@@ -10,7 +10,10 @@ with multi-context enabled so that one spill-fill size, computed over all QNN sh
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import fnmatch
+import importlib
 import json
 import time
 
@@ -81,6 +84,47 @@ def quantizer_for(options: dict):
     return quantizer
 
 
+@contextlib.contextmanager
+def linear_time_observers():
+    """prepare_pt2e with two quadratic costs of torch 2.13 / torchao removed, same graph out.
+
+    - Each observer's attribute name is found by trying activation_post_process_0, _1, ... until
+      one is free: quadratic in the observers (thousands in a shard of a few layers). Names are
+      handed out in order and none is removed while preparing, so the search can go on from the
+      last name given.
+    - Each observer's constructor arguments are deep-copied and thrown away; ExecuTorch's QNN
+      ConcatObserver takes the whole fx graph as an argument, so every concatenation copied the
+      graph twice. The arguments (dtypes, ranges, the constructor) are only read: a shallow copy.
+    On a 7-layer SmolLM2 shard this is most of the minutes its prepare took."""
+    # the modules (their packages export functions of the same names)
+    fx_prepare = importlib.import_module("torch.ao.quantization.fx.prepare")
+    pt2e_prepare = importlib.import_module("torchao.quantization.pt2e.prepare")
+
+    next_free: dict[tuple[int, str], int] = {}
+
+    def attr_name_with_prefix(prefix: str):
+        prefix = prefix.replace(".", "_")
+
+        def new_name(module):
+            index = next_free.get((id(module), prefix), 0)
+            while hasattr(module, f"{prefix}{index}"):
+                index += 1
+            next_free[(id(module), prefix)] = index + 1
+            return f"{prefix}{index}"
+
+        return new_name
+
+    def observer_kwargs(quant_spec):
+        return {field.name: getattr(quant_spec, field.name) for field in dataclasses.fields(quant_spec)}
+
+    saved = fx_prepare.get_new_attr_name_with_prefix, pt2e_prepare._get_observer_kwargs
+    fx_prepare.get_new_attr_name_with_prefix, pt2e_prepare._get_observer_kwargs = attr_name_with_prefix, observer_kwargs
+    try:
+        yield
+    finally:
+        fx_prepare.get_new_attr_name_with_prefix, pt2e_prepare._get_observer_kwargs = saved
+
+
 class QnnShardLowering:
     """One QNN shard through the three steps an export interleaves across shards:
     built (HTP-friendly form; for quantized precisions also observers inserted per method), then
@@ -115,7 +159,8 @@ class QnnShardLowering:
         for method, inputs in example_inputs.items():
             with torch.no_grad():
                 graph = torch.export.export(htp, inputs, strict=False).module()
-            self.graphs[method] = prepare_pt2e(graph, quantizer_for(options))
+            with linear_time_observers():
+                self.graphs[method] = prepare_pt2e(graph, quantizer_for(options))
 
     @property
     def quantized(self) -> bool:
