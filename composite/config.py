@@ -385,6 +385,8 @@ def config_from_flags(args) -> ExportConfig:
         config.xnnpack["head_quantize"] = args.head_quantize
     if args.weight_mapping is not None:
         config.xnnpack["weight_mapping"] = args.weight_mapping
+    if args.qnn_precision is not None:
+        config.qnn["precision"] = args.qnn_precision
     if args.no_weight_sharing:
         config.qnn["weight_sharing"] = False
     config.placements()

@@ -32,7 +32,7 @@ from tqdm import tqdm
 import composite
 from composite import chat_template, qnn_host, shard_cache, staging
 from composite import manifest as manifest_schema
-from composite.config import ExportConfig, Placement, check_group_sizes, config_from_flags
+from composite.config import QNN_PRECISIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
 from composite.errors import UserError, exits_cleanly
 from composite.lowering import LoweredShard, embedding, finish, lower_shard
 from composite.lowering.calibration import calibration_text
@@ -97,6 +97,11 @@ def parse_args(argv):
     p.add_argument(
         "--embedding-quantize",
         help="quantize the embedding table: BITS,GROUP, e.g. 8,0 (8-bit, a scale per row) or 4,32 (default none)",
+    )
+    p.add_argument(
+        "--qnn-precision",
+        choices=QNN_PRECISIONS,
+        help="QNN shards' precision, where a shard's own entry does not set one (default fp16)",
     )
     p.add_argument(
         "--no-weight-sharing",

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from composite.config import build_config
+from composite.config import build_config, config_from_flags
+from composite.export import parse_args as parse_export_args
 from conftest import REPO, RUNNER, assert_clean_failure, run_cli
 
 needs_runner = pytest.mark.skipif(not RUNNER.is_file(), reason="composite_runner is not built")
@@ -65,6 +66,14 @@ def test_group_size_that_misses_some_linears_says_so(tmp_path):
 
 def test_layers_per_shard_implies_the_shard_count():
     assert build_config(None, {"layers_per_shard": [0, 3, 3, 0]}).shards == 4
+
+
+def test_qnn_precision_flag_sets_the_shards_without_their_own(tmp_path):
+    config = tmp_path / "qnn.yaml"
+    config.write_text("shards: 3\nplacement: [xnnpack, qnn, {backend: qnn, precision: 16a8w}]\n")
+    flags = parse_export_args(["--config", str(config), "--qnn-precision", "16a4w"])
+    precisions = [p.options.get("precision") for p in config_from_flags(flags).placements()]
+    assert precisions == [None, "16a4w", "16a8w"]
 
 
 def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared(tmp_path):
