@@ -133,10 +133,14 @@ def test_a_budget_above_the_float_size_gives_the_float_model(mixed):
 
 def test_verify_exports_the_recipe_and_measures_what_was_predicted(tmp_path):
     flags = ["--shards", "3", "--candidates", "xnnpack:fp32,xnnpack:8da8w", "--embedding", "none|8,0", "--verify"]
-    result = tune(tmp_path, 1.6, *flags)
+    result = tune(tmp_path, 1.6, *flags, "--verify-limit-tokens", "128")
     chosen, verified = result["chosen"], result["verified"]
-    # XNNPACK runs the eager model's arithmetic: the export's KLD is the one measured in PyTorch.
-    assert verified["kld"] == pytest.approx(chosen["kld_whole"], rel=0.05, abs=1e-6)
+    # the first two chunks of 64 (each scores all but its first token)
+    assert verified["tokens"] == 2 * 63
+    # XNNPACK runs the eager model's arithmetic: the export's KLD is the one measured in PyTorch on
+    # the same tokens.
+    assert chosen["kld_whole"] > 0
+    assert verified["kld"] == pytest.approx(verified["kld_whole_same_tokens"], rel=0.05, abs=1e-6)
     # Stored bytes: the formula's, plus each .pte's program (a few KB per shard).
     assert chosen["mb"] * 1e6 <= verified["pte_bytes"] <= chosen["mb"] * 1e6 * 1.05 + 3 * 50_000
 
@@ -149,6 +153,9 @@ def test_bad_input_gets_one_line(tmp_path):
         (["--budget-mb", "0.01"], "below the smallest recipe"),
         (["--budget-mb", "2", "--shards", "2"], "at least 3"),
         (["--budget-mb", "-1"], "--budget-mb must be positive"),
+        (["--budget-mb", "2", "--verify", "--verify-limit-tokens", "32"], "less than one chunk (--ctx 64)"),
+        (["--budget-mb", "2", "--verify", "--verify-limit-tokens", "512"], "more than --limit-tokens 256"),
+        (["--budget-mb", "2", "--verify-limit-tokens", "128"], "is for --verify"),
     ]
     for flags, phrase in cases:
         assert_clean_failure(run_cli("composite.tune", *base, *flags), phrase)

@@ -93,6 +93,12 @@ def parse_args(argv):
     p.add_argument("--measure-uniform", action="store_true", help="also measure the uniform recipes as a whole")
     p.add_argument("--verify", action="store_true", help="export the tuned config and measure it with composite.eval")
     p.add_argument("--verify-output", help="keep the verification export here (default: a temporary folder)")
+    p.add_argument(
+        "--verify-limit-tokens",
+        type=int,
+        help="--verify measures the text's first N tokens, whole chunks of --ctx (default --limit-tokens; "
+        "QNN shards on the simulator evaluate about a token a second)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
@@ -108,6 +114,15 @@ def check_args(args) -> None:
     ctx = args.ctx or args.max_seq_len
     if ctx > args.max_seq_len:
         raise UserError(f"--ctx {ctx} is larger than --max-seq-len {args.max_seq_len}")
+    if args.verify_limit_tokens is not None:
+        if not args.verify:
+            raise UserError("--verify-limit-tokens is for --verify")
+        if args.verify_limit_tokens < ctx:
+            raise UserError(f"--verify-limit-tokens {args.verify_limit_tokens} is less than one chunk (--ctx {ctx})")
+        if args.limit_tokens is not None and args.verify_limit_tokens > args.limit_tokens:
+            raise UserError(
+                f"--verify-limit-tokens {args.verify_limit_tokens} is more than --limit-tokens {args.limit_tokens}"
+            )
     if not args.output.endswith((".yaml", ".yml")):
         raise UserError(f"--output {args.output} should be a .yaml file (it is an export config)")
     if Path(args.output).is_dir():
@@ -278,7 +293,7 @@ def plot(path: Path, recipes: list[Recipe], uniform: dict[str, Recipe], chosen: 
     plt.close(fig)
 
 
-def verify(args, config_path: Path, has_qnn: bool, ctx: int) -> dict:
+def verify(args, config_path: Path, has_qnn: bool, ctx: int, limit_tokens: int | None) -> dict:
     """The tuned config exported and measured by composite.eval against the float model."""
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(args.verify_output or Path(scratch) / "tuned")
@@ -292,8 +307,8 @@ def verify(args, config_path: Path, has_qnn: bool, ctx: int) -> dict:
                 raise UserError(f"--verify: the export of {config_path} failed (exit {done.returncode})")
         evaluate = [sys.executable, "-m", "composite.eval", "--artifacts", str(folder), "--text", args.text]
         evaluate += ["--ctx", str(ctx), "--score", args.score, "--reference", "eager", "--json"]
-        if args.limit_tokens:
-            evaluate += ["--limit-tokens", str(args.limit_tokens)]
+        if limit_tokens:
+            evaluate += ["--limit-tokens", str(limit_tokens)]
         print("$ " + " ".join(evaluate), file=sys.stderr, flush=True)
         done = subprocess.run(evaluate, capture_output=True, text=True)
         if done.returncode != 0:
@@ -301,7 +316,12 @@ def verify(args, config_path: Path, has_qnn: bool, ctx: int) -> dict:
         measured = json.loads(done.stdout)
         manifest = json.loads((folder / "manifest.json").read_text())
         files = sum((folder / s["file"]).stat().st_size for s in manifest["shards"])
-        return {"kld": measured["kld_mean"], "top1": measured["top1_agreement"], "pte_bytes": files}
+        return {
+            "kld": measured["kld_mean"],
+            "top1": measured["top1_agreement"],
+            "pte_bytes": files,
+            "tokens": measured["tokens"],
+        }
 
 
 def tune(args) -> dict:
@@ -398,7 +418,12 @@ def tune(args) -> dict:
     verified = None
     if args.verify:
         has_qnn = any(isinstance(c, Candidate) and c.backend == "qnn" for c in chosen.choices().values())
-        verified = verify(args, output, has_qnn, ctx)
+        limit = args.verify_limit_tokens or args.limit_tokens
+        verified = verify(args, output, has_qnn, ctx, limit)
+        if args.verify_limit_tokens:
+            # the PyTorch figure on the tokens the export was measured on, beside the export's
+            same_tokens = sens.evaluate(chosen.choices(), chunk_count=args.verify_limit_tokens // ctx)
+            verified["kld_whole_same_tokens"] = same_tokens["kld"]
     return {
         "groups": [
             {
@@ -475,9 +500,14 @@ def report(result: dict, budget_mb: float) -> None:
     )
     if result["verified"]:
         v = result["verified"]
+        same = (
+            f" (PyTorch on the same tokens: {kld_text(v['kld_whole_same_tokens'])})"
+            if "kld_whole_same_tokens" in v
+            else ""
+        )
         print(
-            f"  exported and measured by composite.eval: KLD {kld_text(v['kld'])}, top-1 {100 * v['top1']:.1f}%, "
-            f".pte files {v['pte_bytes'] / MB:.2f} MB"
+            f"  exported and measured by composite.eval on {v['tokens']} tokens: KLD {kld_text(v['kld'])}{same}, "
+            f"top-1 {100 * v['top1']:.1f}%, .pte files {v['pte_bytes'] / MB:.2f} MB"
         )
     print(f"wrote {result['config']} and {result['plot']}")
 

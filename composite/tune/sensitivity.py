@@ -266,14 +266,15 @@ class Sensitivity:
                 return self.form(head, recipe[head.index])(h)
             return model.output(model.norm(h))
 
-    def evaluate(self, recipe: dict[int, object]) -> dict:
-        """Mean KLD against the float model and top-1 agreement over the scored tokens."""
+    def evaluate(self, recipe: dict[int, object], chunk_count: int | None = None) -> dict:
+        """Mean KLD against the float model and top-1 agreement over the scored tokens (of the
+        first `chunk_count` chunks: what composite.eval scores with a smaller --limit-tokens)."""
         recipe = {i: c for i, c in recipe.items() if not (isinstance(c, Candidate) and c.is_float) and c != "none"}
         if not recipe:
             return {"kld": 0.0, "top1": 1.0, "seconds": 0.0}
         started = time.perf_counter()
         total, same, count = 0.0, 0, 0
-        for i, reference in enumerate(self.reference):
+        for i, reference in enumerate(self.reference[:chunk_count]):
             logq = self._scored_logp(self.logits(i, recipe))
             logp = reference.double()
             total += float((logp.exp() * (logp - logq)).sum())
