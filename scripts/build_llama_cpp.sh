@@ -2,8 +2,9 @@
 # On demand (not CI, not a runtime dependency): llama.cpp for the benchmark's second peer.
 # PyPI is the only source of llama.cpp here: the llama-cpp-python sdist vendors its whole tree
 # (CMake, tools/llama-bench, llama-quantize, convert_hf_to_gguf.py, gguf-py). This fetches that
-# sdist, builds llama-bench and llama-quantize, and prints the folder for
-# `python -m composite.bench --llama-cpp DIR` (default: where this script puts it).
+# sdist, builds llama-bench, llama-quantize and llama-perplexity, and prints the folder for
+# `python -m composite.bench --llama-cpp DIR` and `scripts/quality_table.py --llama-cpp DIR`
+# (default: where this script puts it).
 #
 # The build is not -DGGML_NATIVE=ON: on some of these VMs cpuid reports AMX that the VM does not
 # allow, and a native build dies with "Illegal instruction" in its Q4_0/Q8_0 paths. The x86
@@ -15,7 +16,7 @@ DEST=${COMPOSITE_LLAMA_CPP:-$HOME/.cache/composite/llama.cpp}
 SRC=$DEST/src
 BUILD=$DEST/build
 
-if [[ -x $BUILD/bin/llama-bench && -x $BUILD/bin/llama-quantize ]]; then
+if [[ -x $BUILD/bin/llama-bench && -x $BUILD/bin/llama-quantize && -x $BUILD/bin/llama-perplexity ]]; then
   echo "$DEST"
   exit 0
 fi
@@ -46,5 +47,5 @@ if [[ $(uname -m) == x86_64 ]]; then
   done
 fi
 cmake -S "$SRC" -B "$BUILD" "${flags[@]}" >&2
-cmake --build "$BUILD" --target llama-bench llama-quantize -j "$(nproc)" >&2
+cmake --build "$BUILD" --target llama-bench llama-quantize llama-perplexity -j "${JOBS:-$(nproc)}" >&2
 echo "$DEST"

@@ -3,19 +3,27 @@ composite.eval against the float model (--reference eager) on real text.
 
     python scripts/quality_table.py --checkpoint checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --text /usr/share/common-licenses/GPL-3 [--ctx 512] [--limit-tokens 2048] \\
-        [--qnn-limit-tokens 512] [--rows fp32,8da8w,...] [--workdir DIR]
+        [--qnn-limit-tokens 512] [--rows fp32,8da8w,...] [--llama-cpp DIR] [--workdir DIR]
 
 Every row is one `composite.export` (printed) and one `composite.eval --reference eager --score
 second-half` (llama.cpp's convention, so the figures compare with llama-perplexity's). Exports go
 through the shard cache, so rows that share shards re-lower only what differs. QNN rows run on the
 x86 HTP simulator, slowly: they score the text's first --qnn-limit-tokens tokens. Prints a markdown
 table; --workdir keeps the exports (default: a temporary folder, removed at the end).
+
+The llama.cpp rows (a GGUF checkpoint only; llama.cpp built by scripts/build_llama_cpp.sh): F32 is
+the checkpoint dequantized by `llama-quantize --allow-requantize` (the same float weights our
+export reads), Q8_0 / Q4_0 / Q4_1 are quantized from it with llama-quantize's default tensor types,
+and `llama-perplexity --kl-divergence` scores each against F32's stored probabilities on the same
+text, ctx and number of chunks (it scores the second half of each chunk).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,7 +50,25 @@ ROWS = {
     "8da4w-emb8": ("XNNPACK 8da4w g32, embedding 8,0", [*Q4, "--embedding-quantize", "8,0"]),
     "8da4w-g128": ("XNNPACK 8da4w g128", Q4_128),
     "8da4w-g128-emb4": ("XNNPACK 8da4w g128, embedding 4,32", [*Q4_128, "--embedding-quantize", "4,32"]),
-    "qnn-fp16": ("QNN fp16 (8 layers, simulator), XNNPACK fp32 ends", QNN),
+    **{
+        f"qnn-{precision}": (
+            f"QNN {precision} (8 layers, simulator), XNNPACK fp32 ends",
+            [*QNN, "--qnn-precision", precision],
+        )
+        for precision in ("fp16", "16a16w", "16a8w", "16a4w", "8a8w")
+    },
+}
+# llama.cpp's types, each a row "llama.cpp-<type>"; F32 is the reference the others are scored against.
+LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1")
+LLAMA_CPP_ROWS = {f"llama.cpp-{t}": t for t in LLAMA_CPP_TYPES}
+LLAMA_CPP_DEFAULT = Path.home() / ".cache" / "composite" / "llama.cpp"
+# What llama-perplexity --kl-divergence prints, by our JSON names.
+LLAMA_CPP_FIGURES = {
+    "perplexity": r"Mean PPL\(Q\)\s*:\s*([0-9.]+)",
+    "kld_mean": r"Mean\s+KLD:\s*(-?[0-9.]+)",
+    "kld_p99": r"99\.0%\s+KLD:\s*(-?[0-9.]+)",
+    "top1_agreement": r"Same top p:\s*([0-9.]+)",
+    "rms_dp": r"RMS Δp\s*:\s*([0-9.]+)",
 }
 
 
@@ -53,12 +79,23 @@ def parse_args(argv):
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--limit-tokens", type=int, default=2048)
     p.add_argument("--qnn-limit-tokens", type=int, default=512)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma separated, of {', '.join(ROWS)}")
+    every = [*ROWS, *LLAMA_CPP_ROWS]
+    p.add_argument("--rows", default=",".join(every), help=f"comma separated, of {', '.join(every)}")
+    p.add_argument(
+        "--llama-cpp", default=str(LLAMA_CPP_DEFAULT), help=f"llama.cpp's build (default {LLAMA_CPP_DEFAULT})"
+    )
     p.add_argument("--workdir", help="keep the exports here")
     args = p.parse_args(argv)
-    unknown = [row for row in args.rows.split(",") if row not in ROWS]
+    unknown = [row for row in args.rows.split(",") if row not in every]
     if unknown:
-        p.error(f"unknown row {unknown[0]!r}; rows are {', '.join(ROWS)}")
+        p.error(f"unknown row {unknown[0]!r}; rows are {', '.join(every)}")
+    if any(row in LLAMA_CPP_ROWS for row in args.rows.split(",")):
+        if not args.checkpoint.endswith(".gguf"):
+            p.error("the llama.cpp rows quantize a GGUF checkpoint; --checkpoint is not one")
+        if not (Path(args.llama_cpp) / "build" / "bin" / "llama-perplexity").is_file():
+            p.error(
+                f"llama.cpp's llama-perplexity is not built in {args.llama_cpp}: run bash scripts/build_llama_cpp.sh"
+            )
     return args
 
 
@@ -70,6 +107,71 @@ def run(command: list[str]) -> str:
     return done.stdout
 
 
+def run_llama_cpp(command: list[str]) -> str:
+    print("$ " + " ".join(command), file=sys.stderr, flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}")
+    return done.stdout + done.stderr
+
+
+def llama_cpp_row(args, workdir: Path, gguf_type: str) -> dict:
+    """One llama.cpp type scored against its F32 (made, and its probabilities stored, once)."""
+    bin_dir = Path(args.llama_cpp) / "build" / "bin"
+    f32, base = workdir / "llama-F32.gguf", workdir / "llama-F32.kld"
+    chunks = ["-c", str(args.ctx), "--chunks", str(args.limit_tokens // args.ctx), "-t", str(os.cpu_count())]
+    if not base.exists():
+        quantize = [str(bin_dir / "llama-quantize"), "--allow-requantize", args.checkpoint, str(f32), "F32"]
+        run_llama_cpp(quantize)
+        run_llama_cpp(
+            [
+                str(bin_dir / "llama-perplexity"),
+                "-m",
+                str(f32),
+                "-f",
+                args.text,
+                *chunks,
+                "--kl-divergence-base",
+                str(base),
+            ]
+        )
+    model = f32
+    if gguf_type != "F32":
+        model = workdir / f"llama-{gguf_type}.gguf"
+        run_llama_cpp([str(bin_dir / "llama-quantize"), str(f32), str(model), gguf_type])
+    log = run_llama_cpp(
+        [
+            str(bin_dir / "llama-perplexity"),
+            "-m",
+            str(model),
+            *chunks,
+            "--kl-divergence-base",
+            str(base),
+            "--kl-divergence",
+        ]
+    )
+    figures = {}
+    for name, pattern in LLAMA_CPP_FIGURES.items():
+        found = re.search(pattern, log)
+        if found is None:
+            sys.exit(f"llama-perplexity printed no {name} for {model}:\n{log[-2000:]}")
+        figures[name] = float(found.group(1))
+    figures["top1_agreement"] /= 100
+    figures["rms_dp"] /= 100
+    half = args.ctx // 2
+    figures["tokens"] = (args.limit_tokens // args.ctx) * (args.ctx - 1 - half)
+    figures["size_mb"] = model.stat().st_size / 1e6
+    return figures
+
+
+def print_row(label: str, size_mb: float, result: dict) -> None:
+    print(
+        f"| {label} | {size_mb:.1f} | {result['tokens']} | {result['perplexity']:.3f} | {result['kld_mean']:.4f} "
+        f"| {result['kld_p99']:.4f} | {100 * result['top1_agreement']:.1f}% | {100 * result['rms_dp']:.2f}% |",
+        flush=True,
+    )
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
@@ -77,6 +179,10 @@ def main(argv=None) -> None:
         print("| placement | size MB | tokens | PPL | mean KLD | KLD p99 | top-1 | RMS Δp |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for row in args.rows.split(","):
+            if row in LLAMA_CPP_ROWS:
+                result = llama_cpp_row(args, workdir, LLAMA_CPP_ROWS[row])
+                print_row(f"llama.cpp {LLAMA_CPP_ROWS[row]} (against its F32)", result["size_mb"], result)
+                continue
             label, flags = ROWS[row]
             folder = workdir / row
             export = ["-m", "composite.export", *flags, "--checkpoint", args.checkpoint]
@@ -86,12 +192,7 @@ def main(argv=None) -> None:
             evaluate += ["--ctx", str(args.ctx), "--limit-tokens", str(limit), "--score", "second-half"]
             result = json.loads(run([*evaluate, "--reference", "eager", "--json"]))
             manifest = json.loads((folder / "manifest.json").read_text())
-            size = sum(shard["size"] for shard in manifest["shards"]) / 1e6
-            print(
-                f"| {label} | {size:.1f} | {result['tokens']} | {result['perplexity']:.3f} | {result['kld_mean']:.4f} "
-                f"| {result['kld_p99']:.4f} | {100 * result['top1_agreement']:.1f}% | {100 * result['rms_dp']:.2f}% |",
-                flush=True,
-            )
+            print_row(label, sum(shard["size"] for shard in manifest["shards"]) / 1e6, result)
 
 
 if __name__ == "__main__":
