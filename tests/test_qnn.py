@@ -320,16 +320,11 @@ def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, tmp_path, pre
     assert "[INFO] [Qnn ExecuTorch]" in verbose.stderr  # kept behind --verbose, not lost
 
 
-def test_linear_time_observers_prepare_the_same_graph(qnn_ready):
-    """prepare_pt2e with its quadratic name search and argument copies removed gives the graph,
-    observers and (after the same inputs) observed ranges that the stock prepare_pt2e gives."""
-    import copy
-
-    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
-
+def tiny_htp_graph(precision: str = "16a4w"):
+    """The tiny default's middle shard (of 3) in HTP form, traced for a 4-position prefill, with
+    example inputs and the QNN export options of `precision`."""
     from composite.config import DEFAULT_OPTIONS
     from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
-    from composite.lowering.qnn import linear_time_observers, quantizer_for
     from composite.model.default import load_default
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule, shard_io
@@ -340,7 +335,24 @@ def test_linear_time_observers_prepare_the_same_graph(qnn_ready):
     example = tuple(t.example() for t in inputs)
     htp = htp_form(ShardModule(model, spec).eval(), 36, linear_as_conv=True, mask_floor=QUANTIZED_MASK_FLOOR)
     graph = torch.export.export(htp.eval(), example, strict=False).module()
-    options = {**DEFAULT_OPTIONS["qnn"], "precision": "16a4w"}
+    return graph, example, {**DEFAULT_OPTIONS["qnn"], "precision": precision}
+
+
+def perturbed(example: tuple, seed: int) -> tuple:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(t + 0.1 * torch.randn(t.shape, generator=generator) if t.is_floating_point() else t for t in example)
+
+
+def test_linear_time_observers_prepare_the_same_graph(qnn_ready):
+    """prepare_pt2e with its quadratic name search and argument copies removed gives the graph,
+    observers and (after the same inputs) observed ranges that the stock prepare_pt2e gives."""
+    import copy
+
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    from composite.lowering.qnn import linear_time_observers, quantizer_for
+
+    graph, example, options = tiny_htp_graph()
     stock = prepare_pt2e(copy.deepcopy(graph), quantizer_for(options))
     with linear_time_observers():
         fast = prepare_pt2e(graph, quantizer_for(options))
@@ -348,11 +360,39 @@ def test_linear_time_observers_prepare_the_same_graph(qnn_ready):
     observers = [(name, type(m).__name__) for name, m in fast.named_modules()]
     assert observers == [(name, type(m).__name__) for name, m in stock.named_modules()]
     assert any(kind == "ConcatObserver" for _, kind in observers)
-    generator = torch.Generator().manual_seed(0)
-    call = tuple(t + 0.1 * torch.randn(t.shape, generator=generator) if t.is_floating_point() else t for t in example)
+    call = perturbed(example, 0)
     with torch.no_grad():
         fast(*call)
         stock(*call)
     ranges, expected = fast.state_dict(), stock.state_dict()
     assert ranges.keys() == expected.keys()
     assert all(torch.equal(ranges[k], expected[k]) for k in ranges)
+
+
+@pytest.mark.parametrize("precision", ["16a4w", "8a8w"])
+def test_the_tuners_fake_quant_graph_computes_what_the_converted_one_does(qnn_ready, precision):
+    """composite.tune's faster_fake_quant: fused quantize/dequantize pairs and constant weights,
+    the outputs of convert_pt2e's graph (8 bits: bit for bit; 16 bits: ~80 dB, the reciprocal of a
+    scale rounds differently in float32 and an element now and then lands one step away)."""
+    import copy
+
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from composite.lowering.calibration import sqnr_db
+    from composite.lowering.qnn import linear_time_observers, quantizer_for
+    from composite.tune.sensitivity import faster_fake_quant
+
+    graph, example, options = tiny_htp_graph(precision)
+    with linear_time_observers():
+        prepared = prepare_pt2e(graph, quantizer_for(options))
+    with torch.no_grad():
+        for seed in range(3):
+            prepared(*perturbed(example, seed))
+        converted = convert_pt2e(prepared)
+        faster = faster_fake_quant(copy.deepcopy(converted))
+        targets = {node.target for node in faster.graph.nodes}
+        assert torch.ops.quantized_decomposed.quantize_per_tensor.default not in targets
+        assert torch.ops.quantized_decomposed.dequantize_per_channel.default not in targets
+        call = perturbed(example, 7)
+        for expected, actual in zip(converted(*call), faster(*call)):
+            assert sqnr_db(expected, actual) > 60

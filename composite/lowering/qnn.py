@@ -11,6 +11,7 @@ with multi-context enabled so that one spill-fill size, computed over all QNN sh
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import fnmatch
 import importlib
@@ -125,15 +126,33 @@ def linear_time_observers():
         fx_prepare.get_new_attr_name_with_prefix, pt2e_prepare._get_observer_kwargs = saved
 
 
+def traced_htp(module, example_inputs: dict, options: dict, n_positions: int) -> dict:
+    """method -> the shard's HTP form traced by torch.export: where a quantized precision starts.
+    Several precisions of one shard can start from one trace (QnnShardLowering's `traced`)."""
+    htp = htp_form(
+        module,
+        n_positions,
+        linear_as_conv="aten.linear.default" not in skipped_op_set(options),
+        mask_floor=QUANTIZED_MASK_FLOOR,
+    ).eval()
+    with torch.no_grad():
+        return {
+            method: torch.export.export(htp, inputs, strict=False).module() for method, inputs in example_inputs.items()
+        }
+
+
 class QnnShardLowering:
     """One QNN shard through the three steps an export interleaves across shards:
     built (HTP-friendly form; for quantized precisions also observers inserted per method), then
     calibrated (the export feeds `observers` the shard's real inputs), then `lower`ed."""
 
-    def __init__(self, module, example_inputs: dict, names: dict, options: dict, n_positions: int):
+    def __init__(
+        self, module, example_inputs: dict, names: dict, options: dict, n_positions: int, traced: dict | None = None
+    ):
         """names: method -> (input names, output names), as the manifest lists them.
         n_positions: how many rotary positions the shard can be asked for, the cache length plus
-        the widest call (the padded tail of a last prefill chunk sits past the cache)."""
+        the widest call (the padded tail of a last prefill chunk sits past the cache).
+        traced: traced_htp() of this module with these options, to copy instead of tracing again."""
         from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
         qnn_host.activate()  # fails early, with one line, when this process cannot lower QNN shards
@@ -142,23 +161,20 @@ class QnnShardLowering:
         self.io_encodings: dict[str, dict] = {method: {} for method in example_inputs}
         self.skip_ops = skipped_op_set(options)
         self.skip_ids = set(options.get("skip_node_ids") or [])
-        htp = htp_form(
-            module,
-            n_positions,
-            linear_as_conv="aten.linear.default" not in self.skip_ops,
-            mask_floor=None if options["precision"] == "fp16" else QUANTIZED_MASK_FLOOR,
-        ).eval()
         self.calibrated = {method: 0 for method in example_inputs}
         if options["precision"] == "fp16":
+            htp = htp_form(module, n_positions, linear_as_conv="aten.linear.default" not in self.skip_ops).eval()
             if self.native_io:
                 htp = native_io.HalfIO(htp, has_head=next(iter(names.values()))[1][0] == "logits")
                 self.example_inputs, self.io_encodings = native_io.half_io(names, example_inputs)
             self.graphs = {method: htp for method in example_inputs}
             return
+        if traced is None:
+            traced = traced_htp(module, example_inputs, options, n_positions)
+        else:
+            traced = {method: copy.deepcopy(graph) for method, graph in traced.items()}  # prepare_pt2e changes it
         self.graphs = {}
-        for method, inputs in example_inputs.items():
-            with torch.no_grad():
-                graph = torch.export.export(htp, inputs, strict=False).module()
+        for method, graph in traced.items():
             with linear_time_observers():
                 self.graphs[method] = prepare_pt2e(graph, quantizer_for(options))
 

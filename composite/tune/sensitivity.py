@@ -67,6 +67,45 @@ class Head(nn.Module):
         return self.output(self.norm(h))
 
 
+def faster_fake_quant(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The converted (fake-quantized) graph with the same arithmetic in fewer, faster ops, for the
+    tuner's many calls of it:
+    - every quantize_per_tensor -> dequantize_per_tensor pair as one fake_quantize_per_tensor_affine
+      (ATen's kernel, ~10x faster at 16 bits; the same values, but that it rounds the scale's
+      reciprocal in float32, so at 16 bits an element now and then lands one step away);
+    - every weight's dequantize_per_channel computed once (the weights are constants)."""
+    ops = torch.ops.quantized_decomposed
+    nodes = graph.graph
+    for node in list(nodes.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == ops.dequantize_per_channel.default and all(
+            a.op == "get_attr" for a in node.args[:3] if isinstance(a, torch.fx.Node)
+        ):
+            values = [getattr(graph, a.target) if isinstance(a, torch.fx.Node) else a for a in node.args]
+            name = f"_dequantized_{node.name}"
+            graph.register_buffer(name, node.target(*values, **node.kwargs))
+            with nodes.inserting_before(node):
+                constant = nodes.get_attr(name)
+            node.replace_all_uses_with(constant)
+            nodes.erase_node(node)
+        elif node.target == ops.dequantize_per_tensor.default:
+            source = node.args[0]
+            quantized = isinstance(source, torch.fx.Node) and source.target == ops.quantize_per_tensor.default
+            if not quantized or tuple(source.args[1:]) != tuple(node.args[1:]) or node.kwargs or source.kwargs:
+                continue
+            x, scale, zero_point, quant_min, quant_max, _ = source.args
+            with nodes.inserting_before(node):
+                fused = nodes.call_function(
+                    torch.fake_quantize_per_tensor_affine, (x, scale, zero_point, quant_min, quant_max)
+                )
+            node.replace_all_uses_with(fused)
+            nodes.erase_node(node)
+    nodes.eliminate_dead_code()
+    graph.recompile()
+    return graph
+
+
 class CallByCall:
     """A shard's graph called as a runner calls it, `width` positions per call with a KV cache of
     its own layers: maps the hidden states of a whole chunk [1, T, dim] to its outputs [1, T, ...].
@@ -199,12 +238,13 @@ class Sensitivity:
         quantized QNN decode graphs of `pairs` not built yet."""
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-        from composite.lowering.qnn import QnnShardLowering
+        from composite.lowering.qnn import QnnShardLowering, traced_htp
 
         pairs = [(g, c) for g, c in pairs if (g.index, c.name) not in self.forms]
         if not pairs:
             return
         jobs: dict[int, list] = {}
+        traces: dict[int, dict] = {}  # one torch.export per group, whatever its precisions
         for group, candidate in pairs:
             spec = self.specs[group.index]
             method = self._method(group)
@@ -218,7 +258,10 @@ class Sensitivity:
                 "precision": candidate.precision,
                 "weight_sharing": False,
             }
-            job = QnnShardLowering(self.modules[group.index], examples, names, options, self._positions())
+            module = self.modules[group.index]
+            if group.index not in traces:
+                traces[group.index] = traced_htp(module, examples, options, self._positions())
+            job = QnnShardLowering(module, examples, names, options, self._positions(), traces[group.index])
             jobs.setdefault(group.index, []).append((group, candidate, job))
 
         def consumer(index):
@@ -229,12 +272,13 @@ class Sensitivity:
 
             return observe
 
+        traces.clear()
         methods = {DECODE: 1, PREFILL: self.prefill_len}
         consumers = {index: consumer(index) for index in jobs}
         calibrate(self.model, self.modules, consumers, methods, self.max_seq_len, {}, self.tokenizer, self.bos_id)
         for entries in jobs.values():
             for group, candidate, job in entries:
-                graph = convert_pt2e(job.graphs[self._method(group)])
+                graph = faster_fake_quant(convert_pt2e(job.graphs[self._method(group)]))
                 self.forms[(group.index, candidate.name)] = self._call_by_call(group, graph)
 
     # Evaluation
