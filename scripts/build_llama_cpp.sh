@@ -4,7 +4,7 @@
 # (CMake, tools/llama-bench, llama-quantize, convert_hf_to_gguf.py, gguf-py). This fetches that
 # sdist, builds llama-bench, llama-quantize and llama-perplexity, and prints the folder for
 # `python -m composite.bench --llama-cpp DIR` and `scripts/quality_table.py --llama-cpp DIR`
-# (default: where this script puts it).
+# (default: where this script puts it). JOBS=N builds with N parallel jobs (default: every core).
 #
 # The build is not -DGGML_NATIVE=ON: on some of these VMs cpuid reports AMX that the VM does not
 # allow, and a native build dies with "Illegal instruction" in its Q4_0/Q8_0 paths. The x86
