@@ -396,3 +396,50 @@ def test_the_tuners_fake_quant_graph_computes_what_the_converted_one_does(qnn_re
         call = perturbed(example, 7)
         for expected, actual in zip(converted(*call), faster(*call)):
             assert sqnr_db(expected, actual) > 60
+
+
+@pytest.mark.parametrize("precision", ["16a8w", "8a8w"])
+def test_the_tuners_head_on_many_rows_is_the_decode_graph_row_by_row(qnn_ready, precision):
+    """composite.tune builds the head's graph on prefill_len rows with every row's logits: fed the
+    same rows as the export's one-row decode graph (a short block's padding repeating a real row), it observes
+    the same ranges, so each row's quantized logits are the decode graph's (to float32 rounding of
+    a matmul over more rows: an element now and then one step away, > 60 dB)."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+    from composite.lowering.calibration import sqnr_db
+
+    from composite.config import DEFAULT_OPTIONS
+    from composite.lowering.qnn import QnnShardLowering
+    from composite.manifest import DECODE
+    from composite.model.default import load_default
+    from composite.split.plan import plan_shards
+    from composite.split.shard import ShardModule
+
+    model = load_default().model.eval()
+    spec = plan_shards(model.args, 3, [0, model.args.n_layers, 0])[2]
+    head = ShardModule(model, spec).eval()
+    options = {**DEFAULT_OPTIONS["qnn"], "precision": precision, "weight_sharing": False}
+    width, dim = 8, model.args.dim
+    names = {DECODE: (["hidden", "logits_index"], ["logits"])}
+
+    def lowering(rows: int):
+        example = (torch.zeros(1, rows, dim),) + ((torch.arange(rows),) if rows > 1 else ())
+        return QnnShardLowering(head, {DECODE: example}, names, options, 40)
+
+    one, many = lowering(1), lowering(width)
+    generator = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(1, width, dim, generator=generator) * 3 for _ in range(3)]
+    real = [width, width, 5]
+    for block, count in zip(blocks, real):
+        many.observe(DECODE, (block[:, torch.arange(width).clamp(max=count - 1)], torch.arange(width)))
+        for row in range(count):
+            one.observe(DECODE, (block[:, row : row + 1],))
+    one_graph, many_graph = convert_pt2e(one.graphs[DECODE]), convert_pt2e(many.graphs[DECODE])
+    with torch.no_grad():
+        probe = torch.randn(1, width, dim, generator=generator) * 3
+        together = many_graph(probe, torch.arange(width))[0]
+        row_by_row = torch.cat([one_graph(probe[:, row : row + 1])[0] for row in range(width)], dim=1)
+    assert together.shape == row_by_row.shape == (1, width, model.args.vocab_size)
+    assert sqnr_db(row_by_row, together) > 60
+    # a range observed on other rows than the decode graph's would move whole rows' logits
+    assert torch.equal(together.argmax(-1), row_by_row.argmax(-1))

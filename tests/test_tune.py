@@ -167,3 +167,60 @@ def test_bad_input_gets_one_line(tmp_path):
     not_yaml = ["--text", str(TEXT), "--budget-mb", "2", "--output", str(tmp_path / "t.json")]
     assert_clean_failure(run_cli("composite.tune", *not_yaml), ".yaml")
     assert not (tmp_path / "t.yaml").exists()
+
+
+def test_the_heads_decode_calibration_from_prefill_rows_sees_what_decode_steps_give():
+    """composite.tune calibrates the head's graph on the rows of prefill calls: the same hidden
+    states, token for token, as the export's decode steps give the head (padding rows only repeat a
+    real one); prefill inputs are unchanged and no other shard's decode graph gets anything."""
+    import torch
+
+    from composite.lowering.calibration import calibrate
+    from composite.manifest import DECODE, PREFILL
+    from composite.model.default import load_default
+    from composite.split.plan import plan_shards
+    from composite.split.shard import ShardModule
+    from composite.tokenizer import Tokenizer
+
+    loaded = load_default()
+    tokenizer = Tokenizer(loaded.tokenizer_path)
+    n_layers = loaded.model.args.n_layers
+    specs = plan_shards(loaded.model.args, 4, [0, n_layers - 1, 1, 0])
+    modules = [ShardModule(loaded.model, spec).eval() for spec in specs]
+    methods = {DECODE: 1, PREFILL: 8}
+
+    def per_token(method, inputs):
+        if method == DECODE and len(inputs) == 2:  # (hidden [1, 8, dim], arange(8)): a padded tail repeats
+            hidden, rows = inputs
+            assert torch.equal(rows, torch.arange(8))
+            count = 8
+            while count > 1 and torch.equal(hidden[:, count - 1], hidden[:, count - 2]):
+                count -= 1
+            return [hidden[:, r : r + 1] for r in range(count)]
+        return [inputs[0]]
+
+    def captured(**flags):
+        seen = {i: {DECODE: [], PREFILL: []} for i in range(len(modules))}
+
+        def recorder(index):
+            return lambda method, inputs: seen[index][method].extend(t.clone() for t in per_token(method, inputs))
+
+        consumers = {i: recorder(i) for i in seen}
+        held_out = calibrate(
+            loaded.model, modules, consumers, methods, 64, {"samples": 5}, tokenizer, tokenizer.bos_id, **flags
+        )
+        return seen, {i: {m: per_token(m, x) for m, x in h.items()} for i, h in held_out.items()}
+
+    steps, steps_held_out = captured()
+    rows, rows_held_out = captured(head_decode_from_rows=True)
+    head = len(modules) - 1
+    assert len(rows[head][DECODE]) == len(steps[head][DECODE]) == 5 * 8
+    for by_step, by_row in zip(steps[head][DECODE], rows[head][DECODE]):
+        assert by_row.shape == by_step.shape == (1, 1, loaded.model.args.dim)
+        torch.testing.assert_close(by_row, by_step, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rows_held_out[head][DECODE][0], steps_held_out[head][DECODE][0], rtol=1e-4, atol=1e-5)
+    for index in range(head):
+        assert rows[index][DECODE] == [] and steps[index][DECODE]
+        assert len(rows[index][PREFILL]) == len(steps[index][PREFILL]) == 5
+        for a, b in zip(rows[index][PREFILL], steps[index][PREFILL]):
+            assert torch.equal(a, b)

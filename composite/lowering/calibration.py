@@ -68,6 +68,7 @@ def calibrate(
     options: dict,
     tokenizer,
     bos_id: int | None = None,
+    head_decode_from_rows: bool = False,
 ) -> dict[int, dict[str, tuple]]:
     """Push calibration text through the float chain; each consumer gets every input its shard
     receives, as it arrives (nothing is stored: decode inputs carry whole KV caches). `samples`
@@ -75,17 +76,36 @@ def calibrate(
     width), since one decode call sees a single token. Every pass starts a sequence as the runners
     do, with `bos_id` when the export adds one: trained models put their largest activations on a
     sequence's first token. Returns one further input per shard and method, from text the
-    consumers never saw, for measuring the lowered shard."""
+    consumers never saw, for measuring the lowered shard.
+
+    head_decode_from_rows: a shard of the head alone takes no cache, so its decode input for a
+    token is that token's row of a prefill call over the same positions. The decode steps are then
+    made as prefill calls (~width times fewer calls of the whole chain) and only such a head's
+    consumer gets them: as DECODE inputs (hidden [1, width, dim], arange(width)), the hidden
+    states of real tokens only (a padded call's last rows repeat its last real one), so that a
+    graph of the head's logits on every row observes exactly the decode steps' values. No
+    other shard's decode graph gets anything (composite.tune, whose layer groups stand by their
+    prefill graphs)."""
     width = methods[PREFILL]
     prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
     decode_calls = prefill_calls * width
     chain = eager_chain(model, shard_modules, methods, max_seq_len)
     held_out: dict[int, dict[str, tuple]] = {index: {} for index in consumers}
     holding_out = False
+    head_only = {m.spec.index for m in shard_modules if m.spec.has_head and not m.spec.has_embedding and not m.spec.layers}
+    rows_of: int | None = None  # while decode steps run as a prefill call: its real token count
 
     def observe(index: int, method: str, inputs: list) -> None:
         if index not in consumers:
             return
+        if rows_of is not None:
+            if index in head_only:
+                real_rows = inputs[0][:, torch.arange(width).clamp(max=rows_of - 1)]
+                observe_one(index, DECODE, [real_rows, torch.arange(width)])
+            return
+        observe_one(index, method, inputs)
+
+    def observe_one(index: int, method: str, inputs: list) -> None:
         if holding_out:
             held_out[index].setdefault(method, tuple(t.clone() for t in inputs))
         else:
@@ -122,6 +142,15 @@ def calibrate(
             pos += width
             cursor += width
             progress.update()
+        if head_decode_from_rows:
+            for start in range(0, steps, width):
+                rows_of = min(width, steps - start)
+                chain.forward(PREFILL, stream[cursor : cursor + rows_of], pos)
+                pos += rows_of
+                cursor += rows_of
+                progress.update(rows_of)
+            rows_of = None
+            continue
         for _ in range(steps):
             chain.forward(DECODE, [stream[cursor]], pos)
             pos += 1

@@ -14,7 +14,10 @@ How each choice runs:
   calibration text), converted to its fake-quantized form (torchao's convert_pt2e), and called with
   a KV cache of its own as a runner calls it. A layer group runs its prefill method's graph (calls
   of prefill_len positions: ~30x fewer calls than one per token, and the same quantizer on inputs
-  of the same kind); the head its decode graph, one position per call. The HTP's own integer
+  of the same kind); the head a graph of its decode step's form on prefill_len rows at once
+  (logits on every row: with per-tensor observers its ranges are those of the decode graph fed
+  the same rows, and each row's result is the decode graph's), calibrated on the rows of prefill
+  calls over the export's decode tokens (calibrate(head_decode_from_rows=True)). The HTP's own integer
   kernels are not simulated: this is the quantizer's arithmetic, not the NPU's.
 - qnn:fp16: the same graphs' HTP form in float16 (norms accumulate in float32 as QNN's RmsNorm
   does): an approximation of the HTP's fp16.
@@ -109,7 +112,7 @@ def faster_fake_quant(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
 class CallByCall:
     """A shard's graph called as a runner calls it, `width` positions per call with a KV cache of
     its own layers: maps the hidden states of a whole chunk [1, T, dim] to its outputs [1, T, ...].
-    A head's graph (no layers) gets one position per call."""
+    A head's graph (no layers) gets the index of every row, whose logits it gives."""
 
     def __init__(self, graph, n_layers: int, width: int, cache_shapes: tuple, max_seq_len: int, dtype=torch.float32):
         self.graph, self.n_layers, self.width = graph, n_layers, width
@@ -129,6 +132,8 @@ class CallByCall:
                     inputs += [torch.arange(pos, pos + self.width), mask.at(pos).to(self.dtype)]
                     for layer in range(self.n_layers):
                         inputs += [cache.k[layer].to(self.dtype), cache.v[layer].to(self.dtype)]
+                else:
+                    inputs.append(torch.arange(self.width))
                 out = self.graph(*inputs)
                 for layer in range(self.n_layers):
                     cache.write(layer, out[1 + 2 * layer].float(), out[2 + 2 * layer].float(), pos, count)
@@ -224,14 +229,14 @@ class Sensitivity:
 
     def _method(self, group: Group) -> str:
         """The method whose graph stands for a QNN group: a layer group's prefill (a chunk in calls
-        of prefill_len positions), the head's decode (its prefill method gives one row of logits)."""
+        of prefill_len positions), the head's decode (its prefill method gives one row of logits;
+        here it is built on prefill_len rows, each with its logits)."""
         return DECODE if group.kind == "head" else PREFILL
 
     def _call_by_call(self, group: Group, graph, dtype=torch.float32) -> CallByCall:
         n_layers = group.layer_end - group.layer_start
-        width = 1 if self._method(group) == DECODE else self.prefill_len
         shapes = cache_shapes(self.model.args, self.max_seq_len)
-        return CallByCall(graph, n_layers, width, shapes, self.max_seq_len, dtype)
+        return CallByCall(graph, n_layers, self.prefill_len, shapes, self.max_seq_len, dtype)
 
     def prepare_qnn(self, pairs: list[tuple[Group, Candidate]]) -> None:
         """Builds, calibrates (one pass of the float chain for all of them) and converts the
@@ -248,9 +253,11 @@ class Sensitivity:
         for group, candidate in pairs:
             spec = self.specs[group.index]
             method = self._method(group)
-            width = 1 if method == DECODE else self.prefill_len
-            inputs, outputs = shard_io(self.model.args, spec, width, self.max_seq_len)
-            examples = {method: tuple(t.example() for t in inputs)}
+            inputs, outputs = shard_io(self.model.args, spec, self.prefill_len, self.max_seq_len)
+            example = [t.example() for t in inputs]
+            if group.kind == "head":  # every row's logits (see _method)
+                example[-1] = torch.arange(self.prefill_len)
+            examples = {method: tuple(example)}
             names = {method: ([t.name for t in inputs], [t.name for t in outputs])}
             options = {
                 **DEFAULT_OPTIONS["qnn"],
@@ -275,7 +282,17 @@ class Sensitivity:
         traces.clear()
         methods = {DECODE: 1, PREFILL: self.prefill_len}
         consumers = {index: consumer(index) for index in jobs}
-        calibrate(self.model, self.modules, consumers, methods, self.max_seq_len, {}, self.tokenizer, self.bos_id)
+        calibrate(
+            self.model,
+            self.modules,
+            consumers,
+            methods,
+            self.max_seq_len,
+            {},
+            self.tokenizer,
+            self.bos_id,
+            head_decode_from_rows=True,
+        )
         for entries in jobs.values():
             for group, candidate, job in entries:
                 graph = faster_fake_quant(convert_pt2e(job.graphs[self._method(group)]))
