@@ -124,6 +124,17 @@ def test_the_same_budget_again_writes_the_same_config(mixed):
     assert (again / "tuned.yaml").read_text() == (folder / "tuned.yaml").read_text()
 
 
+def test_measure_uniform_measures_the_named_candidates_uniform_recipes_as_a_whole(mixed):
+    folder, first = mixed
+    _, again = tune_again(folder, "uniform", 1.6, *MIXED, "--measure-uniform", "xnnpack:8da4w")
+    whole = {label for label, u in again["uniform"].items() if "kld_whole" in u}
+    assert whole == {"xnnpack:8da4w", "xnnpack:8da4w + embedding 4,32"}
+    for label in whole:
+        u = again["uniform"][label]
+        assert u["kld_whole"] > 0 and 0 < u["top1_whole"] < 1
+        assert u["kld_predicted"] == first["uniform"][label]["kld_predicted"]
+
+
 def test_a_budget_above_the_float_size_gives_the_float_model(mixed):
     folder, _ = mixed
     _, result = tune_again(folder, "large_budget", 1000, *MIXED)
@@ -156,6 +167,11 @@ def test_bad_input_gets_one_line(tmp_path):
         (["--budget-mb", "2", "--verify", "--verify-limit-tokens", "32"], "less than one chunk (--ctx 64)"),
         (["--budget-mb", "2", "--verify", "--verify-limit-tokens", "512"], "more than --limit-tokens 256"),
         (["--budget-mb", "2", "--verify-limit-tokens", "128"], "is for --verify"),
+        (["--budget-mb", "2", "--measure-uniform", "qnn:16a2w"], "unknown candidate 'qnn:16a2w'"),
+        (
+            ["--budget-mb", "2", "--candidates", "xnnpack:fp32,xnnpack:8da4w", "--measure-uniform", "xnnpack:8da8w"],
+            "--measure-uniform xnnpack:8da8w is not among --candidates",
+        ),
     ]
     for flags, phrase in cases:
         assert_clean_failure(run_cli("composite.tune", *base, *flags), phrase)

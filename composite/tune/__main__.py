@@ -90,7 +90,14 @@ def parse_args(argv):
     p.add_argument("--artifacts", help="the export folder the config names (default artifacts/<output's stem>)")
     p.add_argument("--cache-dir", help="where measured sensitivities are kept (default ~/.cache/composite/tune)")
     p.add_argument("--no-cache", action="store_true", help="measure everything again and keep nothing")
-    p.add_argument("--measure-uniform", action="store_true", help="also measure the uniform recipes as a whole")
+    p.add_argument(
+        "--measure-uniform",
+        nargs="?",
+        const="all",
+        metavar="CANDIDATES",
+        help="also measure the uniform recipes as a whole: all of them, or those of these candidates "
+        "(comma separated; each with every --embedding choice)",
+    )
     p.add_argument("--verify", action="store_true", help="export the tuned config and measure it with composite.eval")
     p.add_argument("--verify-output", help="keep the verification export here (default: a temporary folder)")
     p.add_argument(
@@ -227,6 +234,19 @@ def uniform_recipes(groups, per_group: list[list[Option]], candidates, embedding
     return out
 
 
+def uniform_candidates(args, candidates: list[Candidate]) -> set[str]:
+    """The candidates whose uniform recipes --measure-uniform asks to measure as a whole."""
+    if args.measure_uniform is None:
+        return set()
+    if args.measure_uniform == "all":
+        return {c.name for c in candidates}
+    wanted = parse_candidates(args.measure_uniform)
+    for candidate in wanted:
+        if candidate not in candidates:
+            raise UserError(f"--measure-uniform {candidate.name} is not among --candidates {args.candidates}")
+    return {c.name for c in wanted}
+
+
 def describe(recipe: Recipe) -> str:
     parts = []
     for option in recipe.options:
@@ -328,6 +348,7 @@ def tune(args) -> dict:
     check_args(args)
     candidates = parse_candidates(args.candidates)
     embedding = parse_embedding(args.embedding)
+    measured_uniform = uniform_candidates(args, candidates)
     if any(c.backend == "qnn" and c.precision != "fp16" for c in candidates):
         qnn_host.activate()
     text = read_text(args.text)
@@ -402,7 +423,9 @@ def tune(args) -> dict:
         return cache.get(key)
 
     whole = measure_whole(chosen)
-    uniform_whole = {label: measure_whole(r) for label, r in uniform.items()} if args.measure_uniform else {}
+    uniform_whole = {
+        label: measure_whole(recipe) for label, recipe in uniform.items() if label.split(" + ")[0] in measured_uniform
+    }
 
     output = Path(args.output)
     header = [
