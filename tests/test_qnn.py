@@ -406,9 +406,8 @@ def test_the_tuners_head_on_many_rows_is_the_decode_graph_row_by_row(qnn_ready, 
     a matmul over more rows: an element now and then one step away, > 60 dB)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    from composite.lowering.calibration import sqnr_db
-
     from composite.config import DEFAULT_OPTIONS
+    from composite.lowering.calibration import sqnr_db
     from composite.lowering.qnn import QnnShardLowering
     from composite.manifest import DECODE
     from composite.model.default import load_default

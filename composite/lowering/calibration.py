@@ -92,7 +92,9 @@ def calibrate(
     chain = eager_chain(model, shard_modules, methods, max_seq_len)
     held_out: dict[int, dict[str, tuple]] = {index: {} for index in consumers}
     holding_out = False
-    head_only = {m.spec.index for m in shard_modules if m.spec.has_head and not m.spec.has_embedding and not m.spec.layers}
+    head_only = {
+        m.spec.index for m in shard_modules if m.spec.has_head and not m.spec.has_embedding and not m.spec.layers
+    }
     rows_of: int | None = None  # while decode steps run as a prefill call: its real token count
 
     def observe(index: int, method: str, inputs: list) -> None:
