@@ -32,7 +32,7 @@ from tqdm import tqdm
 import composite
 from composite import chat_template, qnn_host, shard_cache, staging
 from composite import manifest as manifest_schema
-from composite.config import QNN_PRECISIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
+from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
 from composite.errors import UserError, exits_cleanly
 from composite.lowering import LoweredShard, embedding, finish, lower_shard
 from composite.lowering.calibration import calibration_text
@@ -41,6 +41,7 @@ from composite.manifest import DECODE, PREFILL
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
 from composite.model.loaded import LoadedModel
+from composite.model.rotation import rotate_residual
 from composite.shard_cache import ShardCache
 from composite.split.plan import ShardSpec, plan_shards
 from composite.split.shard import ShardModule, shard_io
@@ -97,6 +98,13 @@ def parse_args(argv):
     p.add_argument(
         "--embedding-quantize",
         help="quantize the embedding table: BITS,GROUP, e.g. 8,0 (8-bit, a scale per row) or 4,32 (default none)",
+    )
+    p.add_argument(
+        "--rotate",
+        choices=["auto", *ROTATIONS],
+        help="rotate the residual stream by a randomized Hadamard matrix folded into the weights (the same model "
+        "in float, easier to quantize); auto (the default): hadamard when some shard has 8-bit weights (8da8w, "
+        "16a8w, 8a8w, 16a16w) and none 4-bit ones (8da4w, 16a4w)",
     )
     p.add_argument(
         "--qnn-precision",
@@ -361,7 +369,7 @@ def build_manifest(
     return manifest_schema.document(
         export_id=uuid.uuid4().hex,
         model=args.to_dict(),
-        source={"kind": loaded.kind, "path": loaded.path},
+        source={"kind": loaded.kind, "path": loaded.path, "rotation": config.rotation()},
         max_seq_len=config.max_seq_len,
         prefill_len=config.prefill_len,
         cache_shapes=cache_shapes(args, config.max_seq_len),
@@ -481,6 +489,8 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None) -> Path:
     folder = staging.make_staging(output)
     try:
         loaded = load_checkpoint(config.checkpoint, config.params)
+        if config.rotation() == "hadamard":
+            rotate_residual(loaded.model)
         specs = plan_shards(loaded.model.args, config.shards, config.layers_per_shard)
         check_group_sizes(loaded.model.args, placements)
         if config.embedding_bits_and_group() is not None:

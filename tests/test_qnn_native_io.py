@@ -50,6 +50,7 @@ def quantized_exports(qnn_ready, workdir):
                     "max_seq_len": MAX_SEQ_LEN,
                     "prefill_len": PREFILL_LEN,
                     "qnn": {"precision": precision, "calibration": CALIBRATION, "weight_sharing": False},
+                    "rotate": "none",  # the figures above are of the unrotated model (8a8w would rotate)
                 }
             )
         )

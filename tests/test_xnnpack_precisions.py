@@ -13,7 +13,8 @@ from torch import nn
 from composite.config import DEFAULT_OPTIONS
 from composite.lowering.xnnpack import half_form, quantize_linears, xnnpack_form
 from composite.manifest import DECODE, PREFILL
-from composite.model.default import load_default
+from composite.model.default import corpus_text, load_default
+from composite.model.rotation import rotate_residual
 from composite.runtime.chain import ShardChain, eager_chain
 from composite.runtime.generate import generate
 from composite.runtime.sampler import Sampler
@@ -39,8 +40,10 @@ class Float32Boundary(nn.Module):
         return [t.float() for t in self.form(x, *caches)]
 
 
-def eager_tokens(shards: int, precision: str) -> list[int]:
+def eager_tokens(shards: int, precision: str, rotated: bool = False) -> list[int]:
     model = load_default().model
+    if rotated:
+        rotate_residual(model)
     modules = []
     for spec in plan_shards(model.args, shards):
         shard = ShardModule(model, spec).eval()
@@ -118,10 +121,37 @@ def test_8da8w_shards_are_int8_and_give_the_quantized_models_tokens(int8_export,
         assert shard["backends"] == ["XnnpackBackend"]
         # int8 weights with a scale per output channel: about a quarter of the linears' bytes
         assert shard["size"] < 0.6 * float_shard["size"]
-    expected = eager_tokens(3, "8da8w")
+    # 8da8w rotates the residual stream by default (rotate: auto): the eager model is rotated too
+    assert manifest["source"]["rotation"] == "hadamard"
+    expected = eager_tokens(3, "8da8w", rotated=True)
     assert generate(ShardChain(int8_export), PROMPT, NEW_TOKENS, Sampler()).tokens == expected
     if RUNNER.exists():
         assert runner_tokens(int8_export)["tokens"] == expected
+
+
+def test_each_rotated_shard_is_measured_against_the_float_shard_in_its_basis(int8_export):
+    """composite.eval --per-shard compares a rotated export's hidden states with float shards of
+    the rotated model: against the unrotated ones every shard but the last would be noise."""
+    text = corpus_text()
+    folder = int8_export.parent / "eval_text"
+    folder.mkdir(exist_ok=True)
+    (folder / "corpus.txt").write_text(text)
+    args = [
+        "--artifacts",
+        str(int8_export),
+        "--text",
+        str(folder / "corpus.txt"),
+        "--ctx",
+        "48",
+        "--limit-tokens",
+        "96",
+    ]
+    result = json.loads(
+        run_cli("composite.eval", *args, "--reference", "eager", "--per-shard", "--json", check=True).stdout
+    )
+    assert [s["index"] for s in result["shards"]] == [0, 1, 2]
+    assert all(s["sqnr_db"] > 20 for s in result["shards"]), result["shards"]
+    assert result["kld_mean"] < 0.05 and result["top1_agreement"] > 0.8
 
 
 def test_fp16_with_quantized_linears_is_refused(tmp_path):

@@ -88,7 +88,7 @@ class ShardErrors:
     """Each shard's output against the float shard fed the same (dequantized) inputs."""
 
     def __init__(self, manifest: dict):
-        model = reference_model(manifest)
+        model = reference_model(manifest, in_export_basis=True)
         self.shards = manifest["shards"]
         self.modules = [
             ShardModule(model, ShardSpec(s["index"], s["layers"][0], s["layers"][1], s["has_embedding"], s["has_head"]))

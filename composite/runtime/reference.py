@@ -10,6 +10,7 @@ from composite.errors import UserError
 from composite.model.checkpoint import load_checkpoint
 from composite.model.default import default_model
 from composite.model.llama import ModelArgs, Transformer
+from composite.model.rotation import rotate_residual
 from composite.runtime.chain import eager_chain
 from composite.runtime.generate import Generation, Limits, stop_reason
 from composite.split.plan import plan_shards
@@ -23,7 +24,10 @@ def reference_chain(manifest: dict):
     return eager_chain(model, [ShardModule(model, spec).eval()], manifest["methods"], manifest["max_seq_len"])
 
 
-def reference_model(manifest: dict) -> Transformer:
+def reference_model(manifest: dict, in_export_basis: bool = False) -> Transformer:
+    """The float model of the export's checkpoint; in_export_basis: with the residual stream
+    rotated as the export's shards have it (to compare a shard's hidden state with), else as the
+    checkpoint has it (the same logits)."""
     source = manifest["source"]
     if source["kind"] == "embedded":
         model = default_model(ModelArgs(**manifest["model"]))
@@ -33,6 +37,8 @@ def reference_model(manifest: dict) -> Transformer:
         model = load_checkpoint(source["path"], None).model
     if model.args.to_dict() != manifest["model"]:
         raise UserError("the source checkpoint no longer matches the export's model hyper-parameters")
+    if in_export_basis and source.get("rotation", "none") == "hadamard":
+        rotate_residual(model)
     return model
 
 

@@ -3,7 +3,7 @@ divergence against the float model under a size budget, written as an export con
 
     python -m composite.tune --checkpoint X --text FILE --budget-mb N [--shards 6]
         [--candidates qnn:fp16,qnn:16a8w,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w]
-        [--embedding '8,0|4,32|none'] [--ctx N] [--limit-tokens N] [--score all|second-half]
+        [--embedding '8,0|4,32|none'] [--rotate none|hadamard] [--ctx N] [--limit-tokens N] [--score all|second-half]
         --output tuned.yaml [--plot tuned.png] [--verify] [--measure-uniform] [--json]
 
 1. Sensitivity: for each group (the embedding, shards - 2 runs of layers, the head) and each choice,
@@ -38,13 +38,14 @@ from pathlib import Path
 import yaml
 
 from composite import qnn_host, shard_cache
-from composite.config import build_config
+from composite.config import ROTATIONS, build_config
 from composite.errors import UserError, exits_cleanly
 from composite.eval.__main__ import read_text
 from composite.eval.scoring import SCORE_MODES
 from composite.export import bos_id, versions
 from composite.manifest import sha256_file
 from composite.model.checkpoint import load_checkpoint
+from composite.model.rotation import rotate_residual
 from composite.tokenizer import tokenizer_for_model
 from composite.tune.candidates import (
     DEFAULT_CANDIDATES,
@@ -80,6 +81,12 @@ def parse_args(argv):
     )
     p.add_argument("--group-size", type=int, default=32, help="xnnpack 8da4w weight group (default 32)")
     p.add_argument("--soc", default="SM8650", help="QNN SoC the recipe is for (default SM8650)")
+    p.add_argument(
+        "--rotate",
+        choices=ROTATIONS,
+        default="none",
+        help="measure (and export) the model with its residual stream rotated (hadamard) or not (default none)",
+    )
     p.add_argument("--max-seq-len", type=int, default=512, help="the export's KV cache length (default 512)")
     p.add_argument("--prefill-len", type=int, default=64, help="the export's prefill width (default 64)")
     p.add_argument("--ctx", type=int, help="tokens per chunk (default: --max-seq-len)")
@@ -276,6 +283,7 @@ def tuned_config(args, groups, recipe: Recipe) -> dict:
     config["prefill_len"] = args.prefill_len
     config["xnnpack"] = {"group_size": args.group_size}
     config["qnn"] = {"soc": args.soc}
+    config["rotate"] = args.rotate  # what was measured, whatever the export's auto would pick
     config["output"] = args.artifacts or f"artifacts/{Path(args.output).stem}"
     return config
 
@@ -356,6 +364,8 @@ def tune(args) -> dict:
         raise UserError(f"--text {args.text} is empty: the measurements need real text")
     loaded = load_checkpoint(args.checkpoint, args.params)
     model = loaded.model.eval()
+    if args.rotate == "hadamard":
+        rotate_residual(model)
     tokenizer = tokenizer_for_model(loaded.tokenizer_path, model.args.vocab_size)
     if tokenizer is None:
         raise UserError("composite.tune reads a text: this checkpoint has no tokenizer beside it")
@@ -386,6 +396,7 @@ def tune(args) -> dict:
         "prefill_len": args.prefill_len,
         "group_size": args.group_size,
         "soc": args.soc,
+        "rotate": args.rotate,
         "groups": [[g.kind, g.layer_start, g.layer_end] for g in groups],
     }
     cache = ResultCache(cache_folder(args), common)

@@ -1,0 +1,75 @@
+"""The residual stream rotated by an orthogonal matrix folded into the weights (QuaRot's and
+SpinQuant's R1): the same model in float, an easier one to quantize.
+
+Every RMSNorm's weight is first folded into the linears that read its output (a norm without a
+weight commutes with an orthogonal R: ||xR|| = ||x||). Then every weight that reads the residual
+stream (the embedding's rows, wq, wk, wv, w1, w3 and the head) is multiplied by R on its input
+side and every weight that writes it (wo, w2) by R^T on its output side. The residual stream then
+carries h R instead of h: the logits are the same to float32 rounding, but an activation that
+lives in one channel (SmolLM2's ~25,000 on its first token, the outlier channels of trained
+models) is spread over all of them, so a per-token int8 scale or a per-tensor 16-bit range is no
+longer set by one channel. R is a randomized Hadamard matrix (torchao's construction) where the
+model's dim allows one, else a seeded random orthogonal matrix; both are fixed by `seed`, so an
+export is repeatable.
+
+The rotation is model-wide: every shard of an export carries the rotated weights and passes the
+rotated hidden state to the next, so it is one setting of the export (`rotate`), recorded in the
+manifest, from which composite.eval rebuilds the float shards it compares each shard against."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from composite.model.llama import RMSNorm, Transformer
+
+SEED = 0
+
+
+def rotation_matrix(dim: int, seed: int = SEED) -> torch.Tensor:
+    """An orthogonal [dim, dim] float64 matrix: a randomized Hadamard matrix when dim is K * 2^m
+    for a K torchao has a Hadamard matrix of, else a random orthogonal one (QR of a Gaussian)."""
+    with contextlib.redirect_stdout(io.StringIO()):  # torchao prints a note on import
+        from torchao.prototype.spinquant.hadamard_utils import random_hadamard_matrix
+
+    try:
+        return random_hadamard_matrix(dim, "cpu", seed=seed).to(torch.float64)
+    except AssertionError:  # torchao asserts when it has no Hadamard matrix of this size
+        generator = torch.Generator().manual_seed(seed)
+        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        return q * torch.sign(torch.diagonal(r))  # the sign fix makes QR's factor unique
+
+
+def _fold_norm(norm: RMSNorm, readers: list[torch.nn.Linear]) -> None:
+    for linear in readers:
+        linear.weight.data = (linear.weight.data.double() * norm.weight.data.double()).float()
+    norm.weight.data = torch.ones_like(norm.weight.data)
+
+
+def _reads(module, rotation: torch.Tensor) -> None:
+    module.weight.data = (module.weight.data.double() @ rotation).float()
+
+
+def _writes(linear: torch.nn.Linear, rotation: torch.Tensor) -> None:
+    linear.weight.data = (rotation.T @ linear.weight.data.double()).float()
+
+
+@torch.no_grad()
+def rotate_residual(model: Transformer, seed: int = SEED) -> None:
+    """Rotates `model`'s residual stream in place (see the module's docstring). A tied head gets
+    its own matrix: it reads the final norm's weight folded in, the embedding does not."""
+    rotation = rotation_matrix(model.args.dim, seed)
+    model.output.weight = torch.nn.Parameter(model.output.weight.data.clone())
+    for layer in model.layers:
+        attention, feed_forward = layer.attention, layer.feed_forward
+        _fold_norm(layer.attention_norm, [attention.wq, attention.wk, attention.wv])
+        _fold_norm(layer.ffn_norm, [feed_forward.w1, feed_forward.w3])
+        for linear in (attention.wq, attention.wk, attention.wv, feed_forward.w1, feed_forward.w3):
+            _reads(linear, rotation)
+        _writes(attention.wo, rotation)
+        _writes(feed_forward.w2, rotation)
+    _fold_norm(model.norm, [model.output])
+    _reads(model.tok_embeddings, rotation)
+    _reads(model.output, rotation)
