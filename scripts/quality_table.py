@@ -30,26 +30,45 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from composite.model.checkpoint import load_checkpoint  # noqa: E402
+
+# XNNPACK rows: the embedding alone in shard 0, the layers in two more (--layers-per-shard is set per
+# checkpoint in main), so rows that differ only in the embedding take the layer shards from the cache.
 XNNPACK = ["--shards", "3"]
 # The main job's placement: XNNPACK ends, four QNN shards of two layers (configs/smollm2.yaml).
 QNN = ["--config", "configs/smollm2.yaml", "--no-weight-sharing"]
 TORCHAO = ["--head-quantize", "same", "--weight-mapping", "symmetric"]  # torchao's own choices
-Q8 = [*XNNPACK, "--quantize", "8da8w"]
-Q4 = [*XNNPACK, "--quantize", "8da4w", "--group-size", "32"]
-Q4_128 = [*XNNPACK, "--quantize", "8da4w", "--group-size", "128"]
+NO_ROTATION = ["--rotate", "none"]
+EMBEDDINGS = {
+    "": ([], ""),
+    "-emb8": (["--embedding-quantize", "8,0"], ", embedding 8,0"),
+    "-emb4": (["--embedding-quantize", "4,32"], ", embedding 4,32"),
+}
+BASES = {
+    "fp16": ("XNNPACK fp16", [*XNNPACK, "--dtype", "fp16"]),
+    "8da8w": ("XNNPACK 8da8w (defaults: rotated, unclipped scales)", [*XNNPACK, "--quantize", "8da8w"]),
+    "8da4w": (
+        "XNNPACK 8da4w g32 (defaults: 8-bit head, unclipped scales, not rotated)",
+        [*XNNPACK, "--quantize", "8da4w", "--group-size", "32"],
+    ),
+    "8da4w-g128": ("XNNPACK 8da4w g128", [*XNNPACK, "--quantize", "8da4w", "--group-size", "128"]),
+}
 ROWS = {
     "fp32": ("XNNPACK fp32, 3 shards", XNNPACK),
-    "fp16": ("XNNPACK fp16", [*XNNPACK, "--dtype", "fp16"]),
-    "8da8w-torchao": ("XNNPACK 8da8w, torchao's symmetric scales", [*Q8, *TORCHAO]),
-    "8da8w": ("XNNPACK 8da8w (defaults: unclipped scales)", Q8),
-    "8da8w-emb8": ("XNNPACK 8da8w, embedding 8,0", [*Q8, "--embedding-quantize", "8,0"]),
-    "8da4w-torchao": ("XNNPACK 8da4w g32, torchao's choices (4-bit head, symmetric)", [*Q4, *TORCHAO]),
-    "8da4w-head8": ("XNNPACK 8da4w g32, 8-bit head, symmetric", [*Q4, "--weight-mapping", "symmetric"]),
-    "8da4w": ("XNNPACK 8da4w g32 (defaults: 8-bit head, unclipped scales)", Q4),
-    "8da4w-emb4": ("XNNPACK 8da4w g32, embedding 4,32", [*Q4, "--embedding-quantize", "4,32"]),
-    "8da4w-emb8": ("XNNPACK 8da4w g32, embedding 8,0", [*Q4, "--embedding-quantize", "8,0"]),
-    "8da4w-g128": ("XNNPACK 8da4w g128", Q4_128),
-    "8da4w-g128-emb4": ("XNNPACK 8da4w g128, embedding 4,32", [*Q4_128, "--embedding-quantize", "4,32"]),
+    **{
+        base + suffix: (label + described, flags + extra)
+        for base, (label, flags) in BASES.items()
+        for suffix, (extra, described) in EMBEDDINGS.items()
+    },
+    "8da8w-torchao": (
+        "XNNPACK 8da8w, torchao's symmetric scales, not rotated",
+        [*BASES["8da8w"][1], *TORCHAO, *NO_ROTATION],
+    ),
+    "8da8w-norot": ("XNNPACK 8da8w, not rotated", [*BASES["8da8w"][1], *NO_ROTATION]),
+    "8da4w-torchao": ("XNNPACK 8da4w g32, torchao's choices (4-bit head, symmetric)", [*BASES["8da4w"][1], *TORCHAO]),
+    "8da4w-head8": ("XNNPACK 8da4w g32, 8-bit head, symmetric", [*BASES["8da4w"][1], "--weight-mapping", "symmetric"]),
+    "8da4w-rot": ("XNNPACK 8da4w g32, rotated", [*BASES["8da4w"][1], "--rotate", "hadamard"]),
     **{
         f"qnn-{precision}": (
             f"QNN {precision} (8 layers, simulator), XNNPACK fp32 ends",
@@ -57,6 +76,10 @@ ROWS = {
         )
         for precision in ("fp16", "16a16w", "16a8w", "16a4w", "8a8w")
     },
+    "qnn-16a8w-norot": (
+        "QNN 16a8w (8 layers, simulator), not rotated",
+        [*QNN, "--qnn-precision", "16a8w", *NO_ROTATION],
+    ),
 }
 # llama.cpp's types, each a row "llama.cpp-<type>"; F32 is the reference the others are scored against.
 LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1")
@@ -174,6 +197,7 @@ def print_row(label: str, size_mb: float, result: dict) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    n_layers = load_checkpoint(args.checkpoint, None).model.args.n_layers
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(args.workdir or scratch)
         print("| placement | size MB | tokens | PPL | mean KLD | KLD p99 | top-1 | RMS Δp |")
@@ -185,6 +209,8 @@ def main(argv=None) -> None:
                 continue
             label, flags = ROWS[row]
             folder = workdir / row
+            if flags[:2] == XNNPACK:
+                flags = [*flags, "--layers-per-shard", f"0,{n_layers // 2},{n_layers - n_layers // 2}"]
             export = ["-m", "composite.export", *flags, "--checkpoint", args.checkpoint]
             run([*export, "--max-seq-len", str(args.ctx), "--output", str(folder)])
             limit = args.qnn_limit_tokens if row.startswith("qnn") else args.limit_tokens
