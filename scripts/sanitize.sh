@@ -11,11 +11,12 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktra
 "$build/composite_unit_tests" --gtest_brief=1
 
 artifacts="$build/artifacts"
-python3 -m composite.export --shards 3 --max-seq-len 64 --prefill-len 8 --output "$artifacts" >/dev/null
+# The tests' 3-shard default (tests/conftest.py: MAX_SEQ_LEN, PREFILL_LEN): scripts/test.sh gives both one shard cache.
+python3 -m composite.export --shards 3 --max-seq-len 96 --prefill-len 12 --output "$artifacts" >/dev/null
 "$build/composite_runner" --artifacts "$artifacts" --prompt "Once upon a time" --max_new_tokens 32 \
   --temperature 0.8 --top_p 0.9 --seed 3 --stats_json "$build/stats.json" --verify >/dev/null
 # A chat of three turns whose last one no longer fits: the cache carried between turns, the end.
-printf 'Hi.\n\nMore </s> now.\n%s\n' "$(printf 'word %.0s' $(seq 60))" |
+printf 'Hi.\n\nMore </s> now.\n%s\n' "$(printf 'word %.0s' $(seq 100))" |
   "$build/composite_runner" --artifacts "$artifacts" --chat --max_new_tokens 4 >/dev/null 2>&1
 
 # Bad input must end in a clean error (exit 2), never in a sanitizer report (which aborts).

@@ -23,10 +23,15 @@ stage "build runner"
 bash scripts/build_arm64.sh build-arm64   # cross-built runner, run under qemu by tests/test_arm64.py
 stage "build aarch64 runner"
 
+# One cache of lowered shards for this run's exports, the sanitizer check's and pytest's (which
+# share some: tests/conftest.py); fresh every run.
+export COMPOSITE_TEST_SHARD_CACHE="$PWD/build/test-shard-cache"
+rm -rf "$COMPOSITE_TEST_SHARD_CACHE"
+
 cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, 'ctest'))")
 (cd build && "$cmake_bin" --output-on-failure)
 stage "ctest"
-bash scripts/sanitize.sh build-sanitized   # unit tests + one generation + bad inputs under ASan/UBSan
+COMPOSITE_CACHE="$COMPOSITE_TEST_SHARD_CACHE" bash scripts/sanitize.sh build-sanitized   # unit tests + one generation + bad inputs under ASan/UBSan
 stage "sanitizers"
 bash scripts/fuzz.sh 15 build-sanitized    # libFuzzer (the same build): manifest, tiktoken, both tokenizers
 stage "fuzzers"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,20 +19,23 @@ import torch
 from composite import quiet
 
 quiet.silence_library_noise()
-# Every export in the tests lowers its shards (tests/test_shard_cache.py turns the cache on for itself).
+# The tests share one cache of lowered shards per run (the `shard_cache` fixture names it; both
+# xdist workers and every CLI a test starts use it): many exports have shards in common. Until the
+# fixture has run, and for tests that must lower (determinism, a terminated export), it is off.
 os.environ["COMPOSITE_CACHE"] = "off"
 
 from composite.config import build_config  # noqa: E402
 from composite.errors import UserError  # noqa: E402
 from composite.export import run_export  # noqa: E402
 from composite.model.llama import ModelArgs, Transformer  # noqa: E402
+from composite.shard_cache import ShardCache  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # The host runner every test runs (scripts/build_runner.sh builds it); COMPOSITE_BUILD_DIR points
 # the tests at another build, e.g. the sanitizer one.
 RUNNER = Path(os.environ.get("COMPOSITE_BUILD_DIR", REPO / "build")) / "composite_runner"
 FP16_PLACEMENT = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]
-SHARD_COUNTS = (1, 2, 3, 6)
+SHARD_COUNTS = (1, 3, 6)
 # The Llama-3-style model's features (GQA, scaled RoPE, tied embeddings) do not depend on the cut.
 LLAMA3_SHARD_COUNTS = (3,)
 PREFILL_LEN = 12  # a 32-token prompt then takes two full chunks and one padded chunk
@@ -53,8 +57,9 @@ LLAMA3_PARAMS = {
 }
 
 
-def export(output: Path, **overrides) -> Path:
-    """An export for this host: QNN shards without weight sharing (the x86 simulator cannot load it)."""
+def export(output: Path, cached: bool = True, **overrides) -> Path:
+    """An export for this host: QNN shards without weight sharing (the x86 simulator cannot load it);
+    shards from the run's shard cache unless `cached` is false."""
     values = {
         "max_seq_len": MAX_SEQ_LEN,
         "prefill_len": PREFILL_LEN,
@@ -62,7 +67,7 @@ def export(output: Path, **overrides) -> Path:
         "qnn": {"weight_sharing": False},
         **overrides,
     }
-    return run_export(build_config(None, values))
+    return run_export(build_config(None, values), ShardCache.from_environment() if cached else None)
 
 
 def run_cli(
@@ -149,6 +154,15 @@ def workdir(tmp_path_factory, worker_id) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shard_cache(workdir) -> Path:
+    """The run's cache of lowered shards (the cache's own concurrency rules make sharing it
+    between the two workers safe); scripts/test.sh names one its sanitizer check shares."""
+    folder = Path(os.environ.get("COMPOSITE_TEST_SHARD_CACHE") or workdir / "shard_cache")
+    os.environ["COMPOSITE_CACHE"] = str(folder)
+    return folder
+
+
 def made_once(path: Path, make) -> Path:
     """`path` (a file or folder), made by make(where) unless an earlier call, in any xdist worker,
     made it; the others wait for it. make writes elsewhere and `path` appears only when complete."""
@@ -231,6 +245,51 @@ def qnn_ready():
     pytest.skip(reason)
 
 
+@dataclass(frozen=True)
+class CliExport:
+    folder: Path
+    stdout: str
+    stderr: str
+
+
+def cli_export(workdir: Path, name: str, config: dict) -> CliExport:
+    """`composite.export --config` of `config`, made once per run; with what the CLI printed (tests
+    of its output share the export that other tests use)."""
+
+    def make(partial: Path) -> None:
+        partial.mkdir()
+        (partial / "config.yaml").write_text(json.dumps(config))
+        args = ["--config", str(partial / "config.yaml"), "--output", str(partial / "export")]
+        result = run_cli("composite.export", *args, check=True)
+        (partial / "stdout.txt").write_text(result.stdout)
+        (partial / "stderr.txt").write_text(result.stderr)
+
+    root = made_once(workdir / name, make)
+    return CliExport(root / "export", (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text())
+
+
+SIX_SHARDS_QNN = {
+    "shards": 6,
+    "placement": FP16_PLACEMENT,
+    "max_seq_len": MAX_SEQ_LEN,
+    "prefill_len": PREFILL_LEN,
+    "qnn": {"weight_sharing": False},
+}
+
+
+def qnn_fp16_cli(workdir: Path) -> CliExport:
+    """The 6-shard default with four QNN fp16 shards."""
+    return cli_export(workdir, "qnn_fp16_6", SIX_SHARDS_QNN)
+
+
+def qnn_quantized_cli(workdir: Path, precision: str) -> CliExport:
+    """The same placement with quantized QNN shards (8 calibration samples per method), not
+    rotated: tests/test_qnn_native_io.py records their SQNR."""
+    config = {**SIX_SHARDS_QNN, "rotate": "none"}
+    config["qnn"] = {**config["qnn"], "precision": precision, "calibration": {"samples": 8}}
+    return cli_export(workdir, f"qnn_{precision}_6", config)
+
+
 @pytest.fixture(scope="session")
 def qnn_fp16_export(qnn_ready, workdir):
-    return made_once(workdir / "qnn_fp16_6", lambda p: export(p, shards=6, placement=FP16_PLACEMENT))
+    return qnn_fp16_cli(workdir).folder

@@ -12,8 +12,12 @@ import time
 
 import pytest
 
-from composite.config import build_config, config_from_flags
+from composite.config import build_config, check_group_sizes, config_from_flags
 from composite.export import parse_args as parse_export_args
+from composite.lowering.xnnpack import quantize_linears
+from composite.model.default import load_default
+from composite.split.plan import plan_shards
+from composite.split.shard import ShardModule
 from conftest import REPO, RUNNER, assert_clean_failure, run_cli
 
 needs_runner = pytest.mark.skipif(not RUNNER.is_file(), reason="composite_runner is not built")
@@ -44,24 +48,17 @@ def test_group_size_that_quantizes_nothing_is_refused(tmp_path):
     assert_clean_failure(result, "--group-size 7", "nothing would be quantized", output=tmp_path / "g7")
 
 
-def test_group_size_that_misses_some_linears_says_so(tmp_path):
-    # The default's hidden_dim (352) is not a multiple of 64; dim (128) is.
-    result = run_cli(
-        "composite.export",
-        "--quantize",
-        "8da4w",
-        "--group-size",
-        "64",
-        "--max-seq-len",
-        "32",
-        "--prefill-len",
-        "4",
-        "--output",
-        str(tmp_path / "g64"),
-    )
-    assert result.returncode == 0, result.stderr
-    assert "warning: group size 64 does not divide hidden_dim 352" in result.stderr
-    assert "note: shard 0:" in result.stdout and "left in fp32" in result.stdout
+def test_group_size_that_misses_some_linears_says_so(capsys):
+    # The default's hidden_dim (352) is not a multiple of 64; dim (128) is. (What the export does
+    # with the warning and the notes is the same for every export; lowering 8da4w here would cost
+    # CI minutes for nothing more.)
+    config = build_config(None, {"xnnpack": {"quantize": "8da4w", "group_size": 64}})
+    model = load_default().model
+    check_group_sizes(model.args, config.placements())
+    assert "warning: group size 64 does not divide hidden_dim 352" in capsys.readouterr().err
+    spec = plan_shards(model.args, 1)[0]
+    _, notes = quantize_linears(ShardModule(model, spec), config.placements()[0].options)
+    assert len(notes) == 1 and "left in fp32" in notes[0] and "layers.0.feed_forward.w2" in notes[0]
 
 
 def test_layers_per_shard_implies_the_shard_count():
@@ -79,7 +76,7 @@ def test_qnn_precision_flag_sets_the_shards_without_their_own(tmp_path):
 def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared(tmp_path):
     out = tmp_path / "out"
     export = subprocess.Popen(
-        [sys.executable, "-m", "composite.export", "--shards", "6", "--output", str(out)],
+        [sys.executable, "-m", "composite.export", "--shards", "6", "--no-cache", "--output", str(out)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

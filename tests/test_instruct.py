@@ -305,7 +305,7 @@ def test_chat_flag_errors(instruct_export, default_exports, runner, tmp_path):
     assert both.returncode == 2 and "--chat" in both.stderr.strip().splitlines()[-1], both.stderr
     no_tokenizer = tmp_path / "no_tokenizer"
     no_tokenizer.mkdir()
-    for f in default_exports[2].iterdir():
+    for f in default_exports[3].iterdir():
         (no_tokenizer / f.name).write_bytes(f.read_bytes())
     manifest = json.loads((no_tokenizer / "manifest.json").read_text())
     manifest["chat"] = None

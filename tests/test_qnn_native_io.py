@@ -17,7 +17,7 @@ import pytest
 from test_qnn import cpp_stats
 
 from composite import manifest as manifest_schema
-from conftest import FP16_PLACEMENT, MAX_SEQ_LEN, PREFILL_LEN, RUNNER, one_error_line, run_cli
+from conftest import RUNNER, one_error_line, qnn_quantized_cli, run_cli
 
 # SQNR (dB) of each quantized QNN shard's hidden output on its held-out input, decode / prefill,
 # with float32 I/O (`native_io: false`), as measured on 2026-12-01 (mask floor -255, calibration
@@ -28,36 +28,22 @@ MEASURED_FLOAT_IO_SQNR = {
     "8a8w": {1: (29.7, 28.0), 2: (31.0, 28.9), 3: (31.9, 29.2), 4: (32.8, 29.5)},
 }
 # Each quantized precision's export costs ~5 min of CI: CI runs 16a4w, COMPOSITE_TEST_ALL_QNN=1 adds 8a8w.
+# (conftest.qnn_quantized_cli: 8 calibration samples per method, not rotated.)
 QUANTIZED = ("16a4w", "8a8w") if os.environ.get("COMPOSITE_TEST_ALL_QNN") == "1" else ("16a4w",)
 FLOAT_IO_SQNR = {precision: MEASURED_FLOAT_IO_SQNR[precision] for precision in QUANTIZED}
 NATIVE_IO_DTYPE = {"fp16": "float16", "16a4w": "uint16", "8a8w": "uint8"}
 IO_DTYPE = {p: NATIVE_IO_DTYPE[p] for p in ("fp16", *QUANTIZED)}  # native I/O per precision
 NATIVE_PRECISIONS = sorted(IO_DTYPE)
-CALIBRATION = {"samples": 8}
 
 
 @pytest.fixture(scope="session")
 def quantized_exports(qnn_ready, workdir):
     """precision -> (export folder, export CLI stdout)."""
-    results = {}
-    for precision in FLOAT_IO_SQNR:
-        config = workdir / f"qnn_{precision}.yaml"
-        config.write_text(
-            json.dumps(
-                {
-                    "shards": 6,
-                    "placement": FP16_PLACEMENT,
-                    "max_seq_len": MAX_SEQ_LEN,
-                    "prefill_len": PREFILL_LEN,
-                    "qnn": {"precision": precision, "calibration": CALIBRATION, "weight_sharing": False},
-                    "rotate": "none",  # the figures above are of the unrotated model (8a8w would rotate)
-                }
-            )
-        )
-        folder = workdir / f"qnn_{precision}"
-        result = run_cli("composite.export", "--config", str(config), "--output", str(folder), check=True)
-        results[precision] = (folder, result.stdout)
-    return results
+    return {
+        precision: (made.folder, made.stdout)
+        for precision in FLOAT_IO_SQNR
+        for made in [qnn_quantized_cli(workdir, precision)]
+    }
 
 
 @pytest.mark.parametrize("precision", sorted(FLOAT_IO_SQNR))

@@ -21,22 +21,17 @@ from composite.runtime.sampler import Sampler
 from conftest import RUNNER, assert_clean_failure, export, run_cli
 
 
-@pytest.fixture(scope="module")
-def default_2_8da4w(workdir):
-    return export(workdir / "default_2_8da4w", shards=2, xnnpack={"quantize": "8da4w", "group_size": 32})
-
-
-def test_8da4w_shards(default_2_8da4w, default_exports):
-    folder = default_2_8da4w
+def test_8da4w_shards(default_8da4w_export, default_exports):
+    folder = default_8da4w_export
     manifest = json.loads((folder / "manifest.json").read_text())
-    fp32 = json.loads((default_exports[2] / "manifest.json").read_text())
+    fp32 = json.loads((default_exports[3] / "manifest.json").read_text())
     for q, f in zip(manifest["shards"], fp32["shards"]):
         assert q["placement"]["options"]["quantize"] == "8da4w"
         assert q["size"] < 0.5 * f["size"]
         assert "XnnpackBackend" in q["backends"]
     prompt = list(range(1, 20))
     quantized = generate(ShardChain(folder), prompt, 8, Sampler(), keep_logits=True).logits
-    reference = generate(ShardChain(default_exports[2]), prompt, 8, Sampler(), keep_logits=True).logits
+    reference = generate(ShardChain(default_exports[3]), prompt, 8, Sampler(), keep_logits=True).logits
     prompt_positions = [p for p in reference if p < len(prompt)]  # same prompt logits: same inputs
     cosines = [
         torch.nn.functional.cosine_similarity(quantized[p], reference[p], dim=0).item() for p in prompt_positions
@@ -46,9 +41,11 @@ def test_8da4w_shards(default_2_8da4w, default_exports):
 
 @pytest.mark.parametrize(("setting", "bits", "group"), [("4,32", 4, 32), ("8,0", 8, 0)])
 def test_quantized_embedding_generates_what_its_table_gives_in_eager(workdir, default_exports, setting, bits, group):
-    folder = export(workdir / f"default_2_embedding_{bits}", shards=2, embedding_quantize=setting)
+    folder = export(workdir / f"default_3_embedding_{bits}", shards=3, embedding_quantize=setting)
     manifest = json.loads((folder / "manifest.json").read_text())
-    fp32 = json.loads((default_exports[2] / "manifest.json").read_text())
+    fp32 = json.loads((default_exports[3] / "manifest.json").read_text())
+    # only the embedding's shard differs: the others come from the run's shard cache
+    assert [s["sha256"] for s in manifest["shards"][1:]] == [s["sha256"] for s in fp32["shards"][1:]]
     first = manifest["shards"][0]
     assert first["notes"][0].startswith(f"embedding {bits}-bit")
     assert any(op.startswith("quantized_decomposed::embedding") for op in first["cpu_ops"]["decode"])
@@ -88,13 +85,13 @@ def test_bad_embedding_quantize_settings_are_refused(setting, phrase):
         build_config(None, {"embedding_quantize": setting})
 
 
-def test_8da4w_keeps_an_8_bit_head_and_unclipped_scales_by_default(default_2_8da4w, workdir):
+def test_8da4w_keeps_an_8_bit_head_and_unclipped_scales_by_default(default_8da4w_export, workdir):
     """The defaults against torchao's: 4-bit head and symmetric scales (head_quantize same,
     weight_mapping symmetric). The head is the last shard's only difference in size; the scales
     change every shard's bytes."""
-    ours = manifest_schema.read(default_2_8da4w)
-    torchao = {"quantize": "8da4w", "head_quantize": "same", "weight_mapping": "symmetric"}
-    plain = manifest_schema.read(export(workdir / "default_2_8da4w_torchao", shards=2, xnnpack=torchao))
+    ours = manifest_schema.read(default_8da4w_export)
+    torchao = {"quantize": "8da4w", "group_size": 32, "head_quantize": "same", "weight_mapping": "symmetric"}
+    plain = manifest_schema.read(export(workdir / "default_3_8da4w_torchao", shards=3, xnnpack=torchao))
     assert ours["shards"][-1]["placement"]["options"]["head_quantize"] == "8da8w"
     assert all(a["sha256"] != b["sha256"] for a, b in zip(ours["shards"], plain["shards"]))
     head_weights = ours["model"]["vocab_size"] * ours["model"]["dim"]

@@ -31,10 +31,12 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import yaml
 
 from composite import qnn_host, shard_cache
@@ -43,6 +45,7 @@ from composite.errors import UserError, exits_cleanly
 from composite.eval.__main__ import read_text
 from composite.eval.scoring import SCORE_MODES
 from composite.export import bos_id, versions
+from composite.lowering.worker import ForkedWorker, split_work
 from composite.manifest import sha256_file
 from composite.model.checkpoint import load_checkpoint
 from composite.model.rotation import rotate_residual
@@ -187,27 +190,68 @@ def choices_for(group: Group, candidates: list[Candidate], embedding: list[str])
     return embedding if group.kind == "embedding" else candidates
 
 
-def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cache: ResultCache) -> dict:
-    """(group index, choice name) -> {"kld", "top1", "seconds", "cached"}."""
-    pairs = [(g, c) for g in groups for c in choices_for(g, candidates, embedding)]
-    key = {(g.index, choice_name(c)): f"{g.name}|{choice_name(c)}" for g, c in pairs}
-    todo = [(g, c) for g, c in pairs if cache.get(key[(g.index, choice_name(c))]) is None]
+def measure_cost(group: Group, choice) -> float:
+    """A rough share of the measuring time, to split the work between two processes: a QNN
+    quantized candidate is traced, calibrated and run as a fake-quantized graph, fp16 runs in half
+    precision, XNNPACK's run torchao's eager kernels; the head costs about three layers."""
+    if group.kind == "embedding":
+        return 0.2
+    size = 3.0 if group.kind == "head" else group.layer_end - group.layer_start
+    if isinstance(choice, Candidate) and choice.backend == "qnn":
+        return size * (2.0 if choice.precision == "fp16" else 3.0)
+    return size
+
+
+def measure(sens: Sensitivity, pairs: list) -> dict:
+    """(group index, choice name) -> {"kld", "top1", "seconds"} for `pairs`, measured here."""
     qnn_quantized = [
-        (g, c) for g, c in todo if isinstance(c, Candidate) and c.backend == "qnn" and c.precision != "fp16"
+        (g, c) for g, c in pairs if isinstance(c, Candidate) and c.backend == "qnn" and c.precision != "fp16"
     ]
     if qnn_quantized:
-        print(f"calibrating {len(qnn_quantized)} quantized QNN graphs ...", file=sys.stderr)
+        print(f"calibrating {len(qnn_quantized)} quantized QNN graphs ...", file=sys.stderr, flush=True)
         sens.prepare_qnn(qnn_quantized)
-    for done, (group, choice) in enumerate(todo, start=1):
+    results = {}
+    for group, choice in pairs:
         result = sens.evaluate({group.index: choice})
         sens.release(group, choice)
-        cache.put(key[(group.index, choice_name(choice))], result)
+        results[(group.index, choice_name(choice))] = result
         print(
-            f"[{done}/{len(todo)}] {group.name}, {choice_name(choice)}: KLD {kld_text(result['kld'])}, top-1 "
+            f"{group.name}, {choice_name(choice)}: KLD {kld_text(result['kld'])}, top-1 "
             f"{100 * result['top1']:.1f}% ({result['seconds']:.0f} s)",
             file=sys.stderr,
             flush=True,
         )
+    return results
+
+
+def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cache: ResultCache) -> dict:
+    """(group index, choice name) -> {"kld", "top1", "seconds", "cached"}. What the cache does not
+    hold is measured in two processes (a fork of this one takes about half of the groups, each
+    process builds and calibrates its own groups' QNN graphs): measuring is mostly one thread of
+    Python and small tensors, which leaves the second core of a small machine idle otherwise."""
+    pairs = [(g, c) for g in groups for c in choices_for(g, candidates, embedding)]
+    key = {(g.index, choice_name(c)): f"{g.name}|{choice_name(c)}" for g, c in pairs}
+    todo = [(g, c) for g, c in pairs if cache.get(key[(g.index, choice_name(c))]) is None]
+    if todo:
+        print(f"measuring {len(todo)} choices ...", file=sys.stderr, flush=True)
+    load = {g.index: sum(measure_cost(g, c) for h, c in todo if h is g) for g in groups}
+    mine, theirs = split_work({index: cost for index, cost in load.items() if cost})
+    worker = None
+    if mine and theirs:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one core each (the worker sets its own)
+        worker = ForkedWorker(lambda _: measure(sens, [(g, c) for g, c in todo if g.index in theirs]), [0])
+    try:
+        results = measure(sens, [(g, c) for g, c in todo if worker is None or g.index in mine])
+        if worker is not None:
+            results.update(worker.join()[0])
+            worker = None
+            torch.set_num_threads(threads)
+    finally:
+        if worker is not None:
+            worker.stop()
+    for (index, name), result in results.items():
+        cache.put(key[(index, name)], result)
     return {
         (g.index, choice_name(c)): {**cache.get(key[(g.index, choice_name(c))]), "cached": (g, c) not in todo}
         for g, c in pairs
@@ -546,9 +590,17 @@ def report(result: dict, budget_mb: float) -> None:
     print(f"wrote {result['config']} and {result['plot']}")
 
 
+def terminated(signum, _frame):
+    """A terminated tuner ends its measuring worker too (an exception raised here could land where
+    Python ignores it)."""
+    ForkedWorker.kill_all()
+    os._exit(128 + signum)
+
+
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, terminated)
     if any(c.backend == "qnn" and c.precision != "fp16" for c in parse_candidates(args.candidates)):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     with quiet.filtered_native_stderr(args.verbose):
