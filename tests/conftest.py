@@ -158,7 +158,7 @@ def workdir(tmp_path_factory, worker_id) -> Path:
 def shard_cache(workdir) -> Path:
     """The run's cache of lowered shards (the cache's own concurrency rules make sharing it
     between the two workers safe); scripts/test.sh names one its sanitizer check shares."""
-    folder = Path(os.environ.get("COMPOSITE_TEST_SHARD_CACHE") or workdir / "shard_cache")
+    folder = Path(os.environ.get("COMPOSITE_TEST_SHARD_CACHE") or workdir / "run_shard_cache")
     os.environ["COMPOSITE_CACHE"] = str(folder)
     return folder
 
