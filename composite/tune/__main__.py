@@ -392,6 +392,7 @@ def verify(args, config_path: Path, has_qnn: bool, ctx: int, limit_tokens: int |
             "kld": measured["kld_mean"],
             "top1": measured["top1_agreement"],
             "pte_bytes": files,
+            "host_twin": has_qnn,
             "tokens": measured["tokens"],
         }
 
@@ -586,6 +587,7 @@ def report(result: dict, budget_mb: float) -> None:
         print(
             f"  exported and measured by composite.eval on {v['tokens']} tokens: KLD {kld_text(v['kld'])}{same}, "
             f"top-1 {100 * v['top1']:.1f}%, .pte files {v['pte_bytes'] / MB:.2f} MB"
+            + (" (the host twin: its QNN shards keep their weights once per method)" if v["host_twin"] else "")
         )
     print(f"wrote {result['config']} and {result['plot']}")
 
