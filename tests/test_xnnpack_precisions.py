@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from composite.config import DEFAULT_OPTIONS
+from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import half_form, quantize_linears, xnnpack_form
 from composite.manifest import DECODE, PREFILL
 from composite.model.default import corpus_text, load_default
@@ -40,13 +41,16 @@ class Float32Boundary(nn.Module):
         return [t.float() for t in self.form(x, *caches)]
 
 
-def eager_tokens(shards: int, precision: str, rotated: bool = False) -> list[int]:
+def eager_generation(shards: int, precision: str, rotated: bool = False, embedding: tuple | None = None):
+    """embedding: (bits, group) of a quantized table in shard 0, looked up as the export does."""
     model = load_default().model
     if rotated:
         rotate_residual(model)
     modules = []
     for spec in plan_shards(model.args, shards):
         shard = ShardModule(model, spec).eval()
+        if embedding and spec.has_embedding:
+            shard.tok_embeddings = QuantizedEmbedding(model.tok_embeddings.weight, *embedding)
         if precision == "fp16":
             form = Float32Boundary(half_form(xnnpack_form(shard, "kernel"), spec.has_head), spec)
         else:
@@ -55,7 +59,11 @@ def eager_tokens(shards: int, precision: str, rotated: bool = False) -> list[int
             form.spec = spec
         modules.append(form)
     chain = eager_chain(model, modules, {DECODE: 1, PREFILL: PREFILL_LEN}, MAX_SEQ_LEN)
-    return generate(chain, PROMPT, NEW_TOKENS, Sampler()).tokens
+    return generate(chain, PROMPT, NEW_TOKENS, Sampler(), keep_logits=True)
+
+
+def eager_tokens(shards: int, precision: str, rotated: bool = False) -> list[int]:
+    return eager_generation(shards, precision, rotated).tokens
 
 
 def runner_tokens(folder) -> list[int]:
@@ -111,6 +119,31 @@ def test_fp16_greedy_tokens_are_the_fp16_models(fp16_export):
         args = load_default().model.args
         float32_bytes = args.n_layers * 2 * 4 * MAX_SEQ_LEN * args.n_kv_heads * args.head_dim
         assert stats["kv_cache_bytes"] * 2 == float32_bytes  # float16 caches
+
+
+def test_an_fp16_export_with_a_quantized_embedding_looks_it_up_in_float16(workdir, fp16_export):
+    """The quantized embedding's kernels give float32 unless asked: an fp16 shard 0 asks for float16."""
+    folder = export(
+        workdir / "default_3_fp16_embedding_4", shards=3, xnnpack={"dtype": "fp16"}, embedding_quantize="4,32"
+    )
+    manifest = json.loads((folder / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    assert first["notes"][0].startswith("embedding 4-bit")
+    for method in (DECODE, PREFILL):
+        assert [t["dtype"] for t in first["io"][method]["outputs"] if t["name"] == "hidden"] == ["float16"]
+    fp16 = json.loads((fp16_export / "manifest.json").read_text())
+    assert [s["sha256"] for s in manifest["shards"][1:]] == [s["sha256"] for s in fp16["shards"][1:]]
+    # The prompt's logits are the fp16 model's with this table, not with the float one; the tokens
+    # after them are not compared: the tiny default's random weights leave near-ties that float16
+    # rounding decides (here two tokens 0.002 apart).
+    last = len(PROMPT) - 1
+    eager = eager_generation(3, "fp16", embedding=(4, 32)).logits[last]
+    ours = generate(ShardChain(folder), PROMPT, NEW_TOKENS, Sampler(), keep_logits=True)
+    float_table = generate(ShardChain(fp16_export), PROMPT, 1, Sampler(), keep_logits=True).logits[last]
+    assert (ours.logits[last] - eager).abs().max() < 0.02
+    assert (float_table - eager).abs().max() > 0.05
+    if RUNNER.exists():
+        assert runner_tokens(folder)["tokens"] == ours.tokens
 
 
 def test_8da8w_shards_are_int8_and_give_the_quantized_models_tokens(int8_export, default_exports):

@@ -40,16 +40,17 @@ class QuantizedEmbedding(nn.Module):
         else:
             packed = q
         self.bits, self.group = bits, group
+        self.output_dtype = torch.float32  # float16 in an fp16 shard, whose hidden state is float16
         self.register_buffer("weight", packed)
         self.register_buffer("scales", scales if scales.shape[1] > 1 else scales[:, 0])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:
             return torch.ops.quantized_decomposed.embedding_4bit.dtype(
-                self.weight, self.scales, None, -8, 7, tokens, dtype=torch.float32
+                self.weight, self.scales, None, -8, 7, tokens, dtype=self.output_dtype
             )
         return torch.ops.quantized_decomposed.embedding_byte.dtype(
-            self.weight, self.scales, None, -128, 127, tokens, dtype=torch.float32
+            self.weight, self.scales, None, -128, 127, tokens, dtype=self.output_dtype
         )
 
     def dequantized(self) -> torch.Tensor:

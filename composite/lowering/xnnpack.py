@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from composite.lowering import native_io
+from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.program import export_methods
 from composite.model.llama import Attention, FeedForward, RMSNorm, rope_cos_sin
 
@@ -147,6 +148,8 @@ def half_form(form: nn.Module, has_head: bool) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, XnnpackRMSNorm):
                 setattr(parent, name, PeakScaledRMSNorm(child).half())
+            elif isinstance(child, QuantizedEmbedding):
+                child.output_dtype = torch.float16
     return half
 
 
