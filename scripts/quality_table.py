@@ -52,7 +52,10 @@ BASES = {
         "XNNPACK 8da4w g32 (defaults: 8-bit head, unclipped scales, not rotated)",
         [*XNNPACK, "--quantize", "8da4w", "--group-size", "32"],
     ),
-    "8da4w-g128": ("XNNPACK 8da4w g128", [*XNNPACK, "--quantize", "8da4w", "--group-size", "128"]),
+    "8da4w-g128": (
+        "XNNPACK 8da4w g128 (a linear whose in_features is no multiple of 128 stays fp32)",
+        [*XNNPACK, "--quantize", "8da4w", "--group-size", "128"],
+    ),
 }
 ROWS = {
     "fp32": ("XNNPACK fp32, 3 shards", XNNPACK),
@@ -88,6 +91,7 @@ LLAMA_CPP_DEFAULT = Path.home() / ".cache" / "composite" / "llama.cpp"
 # What llama-perplexity --kl-divergence prints, by our JSON names.
 LLAMA_CPP_FIGURES = {
     "perplexity": r"Mean PPL\(Q\)\s*:\s*([0-9.]+)",
+    "ppl_ratio": r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)",
     "kld_mean": r"Mean\s+KLD:\s*(-?[0-9.]+)",
     "kld_p99": r"99\.0%\s+KLD:\s*(-?[0-9.]+)",
     "top1_agreement": r"Same top p:\s*([0-9.]+)",
@@ -189,7 +193,8 @@ def llama_cpp_row(args, workdir: Path, gguf_type: str) -> dict:
 
 def print_row(label: str, size_mb: float, result: dict) -> None:
     print(
-        f"| {label} | {size_mb:.1f} | {result['tokens']} | {result['perplexity']:.3f} | {result['kld_mean']:.4f} "
+        f"| {label} | {size_mb:.1f} | {result['tokens']} | {result['perplexity']:.3f} | {result['ppl_ratio']:.4f} "
+        f"| {result['kld_mean']:.4f} "
         f"| {result['kld_p99']:.4f} | {100 * result['top1_agreement']:.1f}% | {100 * result['rms_dp']:.2f}% |",
         flush=True,
     )
@@ -200,8 +205,8 @@ def main(argv=None) -> None:
     n_layers = load_checkpoint(args.checkpoint, None).model.args.n_layers
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(args.workdir or scratch)
-        print("| placement | size MB | tokens | PPL | mean KLD | KLD p99 | top-1 | RMS Δp |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| placement | size MB | tokens | PPL | PPL ratio | mean KLD | KLD p99 | top-1 | RMS Δp |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in args.rows.split(","):
             if row in LLAMA_CPP_ROWS:
                 result = llama_cpp_row(args, workdir, LLAMA_CPP_ROWS[row])
