@@ -21,11 +21,14 @@ YAML keys (all optional):
   embedding_quantize              "none" (default), "8,0" (8-bit, a scale per row) or "4,32"
                                   (4-bit, a scale per 32 columns): BITS,GROUP as ExecuTorch's
                                   export_llama --embedding-quantize spells it
-  rotate                          auto (default) | none | hadamard: the residual stream rotated
-                                  by a randomized Hadamard matrix folded into the weights
-                                  (composite/model/rotation.py); the same model in float, easier to
-                                  quantize. auto: hadamard when some shard has 8-bit (or QNN
-                                  16-bit) weights and none 4-bit ones (8da4w, 16a4w)
+  rotate                          auto (default) | none | hadamard | hadamard-ffn: the residual
+                                  stream rotated by a randomized Hadamard matrix folded into the
+                                  weights (composite/model/rotation.py); the same model in float,
+                                  easier to quantize. hadamard-ffn also rotates each feed-forward's
+                                  hidden activation at run time (two small float matmuls a layer).
+                                  auto: when some shard has 8-bit (or QNN 16-bit) weights and none
+                                  4-bit ones (8da4w, 16a4w), hadamard-ffn if those shards are all
+                                  XNNPACK ones, else hadamard; none otherwise
   output                          artifacts folder, default "artifacts"
 """
 
@@ -48,7 +51,7 @@ XNNPACK_HEAD_QUANTIZE = ("8da8w", "same", "none")
 XNNPACK_WEIGHT_MAPPING = ("symmetric_no_clipping_err", "symmetric")
 QNN_SOCS = ("SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
 QNN_PRECISIONS = ("fp16", "16a4w", "16a8w", "8a8w", "16a16w")
-ROTATIONS = ("none", "hadamard")  # of the residual stream (composite/model/rotation.py)
+ROTATIONS = ("none", "hadamard", "hadamard-ffn")  # composite/model/rotation.py
 
 TOP_LEVEL_KEYS = (
     "checkpoint",
@@ -137,21 +140,27 @@ class ExportConfig:
     output: str = "artifacts"
 
     def rotation(self) -> str:
-        """The residual stream's rotation, "none" or "hadamard", with auto resolved: hadamard when
-        some shard quantizes weights to 8 bits (or QNN's 16) and none to 4. On SmolLM2 it halves
-        the KL divergence of 8da8w and of QNN 16a8w and doubles that of 8da4w and 16a4w (README,
-        quality): its weights come from a Q4_1 GGUF, on a 4-bit grid in the unrotated basis."""
+        """The rotation (one of ROTATIONS) with auto resolved: a rotation when some shard quantizes
+        weights to 8 bits (or QNN's 16) and none to 4; hadamard-ffn when those shards are all
+        XNNPACK ones (measured there), else hadamard. On SmolLM2 the residual rotation halves the
+        KL divergence of 8da8w and of QNN 16a8w and doubles that of 8da4w and 16a4w (README,
+        quality): its weights come from a Q4_1 GGUF, on a 4-bit grid in the unrotated basis; the
+        feed-forward rotation halves 8da8w's again."""
         if self.rotate != "auto":
             return self.rotate
-        weight_bits = set()
+        weight_bits, quantized_backends = set(), set()
         for placement in self.placements():
             options = placement.options
             if placement.backend == "xnnpack" and options["quantize"] != "none":
                 weight_bits.add(4 if options["quantize"] == "8da4w" else 8)
+                quantized_backends.add("xnnpack")
             elif placement.backend == "qnn" and options["precision"] != "fp16":
                 for precision in (options["precision"], *(options.get("overrides") or {}).values()):
                     weight_bits.add(4 if precision.endswith("4w") else 8)
-        return "hadamard" if weight_bits == {8} else "none"
+                quantized_backends.add("qnn")
+        if weight_bits != {8}:
+            return "none"
+        return "hadamard-ffn" if quantized_backends == {"xnnpack"} else "hadamard"
 
     def embedding_bits_and_group(self) -> tuple[int, int] | None:
         """(bits, group size; 0 = one scale per row) of the quantized embedding, or None."""
@@ -361,7 +370,7 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
         raise UserError("layers_per_shard must be a list of integers, one per shard")
     config.placements()  # validate now, before any slow work
     if config.rotate not in ("auto", *ROTATIONS):
-        raise UserError(f"rotate must be auto, {' or '.join(ROTATIONS)}; got {config.rotate!r}")
+        raise UserError(f"rotate must be one of auto, {', '.join(ROTATIONS)}; got {config.rotate!r}")
     quantized_embedding = config.embedding_bits_and_group()
     if quantized_embedding is not None and config.placements()[0].backend == "qnn":
         raise UserError(

@@ -41,7 +41,7 @@ from composite.manifest import DECODE, PREFILL
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
 from composite.model.loaded import LoadedModel
-from composite.model.rotation import rotate_residual
+from composite.model.rotation import rotate
 from composite.shard_cache import ShardCache
 from composite.split.plan import ShardSpec, plan_shards
 from composite.split.shard import ShardModule, shard_io
@@ -103,8 +103,9 @@ def parse_args(argv):
         "--rotate",
         choices=["auto", *ROTATIONS],
         help="rotate the residual stream by a randomized Hadamard matrix folded into the weights (the same model "
-        "in float, easier to quantize); auto (the default): hadamard when some shard has 8-bit weights (8da8w, "
-        "16a8w, 8a8w, 16a16w) and none 4-bit ones (8da4w, 16a4w)",
+        "in float, easier to quantize); hadamard-ffn also rotates each feed-forward's hidden activation at run "
+        "time; auto (the default): when some shard has 8-bit weights (8da8w, 16a8w, 8a8w, 16a16w) and none "
+        "4-bit ones (8da4w, 16a4w), hadamard-ffn if those shards are all XNNPACK ones, else hadamard",
     )
     p.add_argument(
         "--qnn-precision",
@@ -489,8 +490,7 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None) -> Path:
     folder = staging.make_staging(output)
     try:
         loaded = load_checkpoint(config.checkpoint, config.params)
-        if config.rotation() == "hadamard":
-            rotate_residual(loaded.model)
+        rotate(loaded.model, config.rotation())
         specs = plan_shards(loaded.model.args, config.shards, config.layers_per_shard)
         check_group_sizes(loaded.model.args, placements)
         if config.embedding_bits_and_group() is not None:

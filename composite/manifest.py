@@ -13,9 +13,10 @@ tools (the runners ignore it). Every key is written by every export unless marke
   "model": {dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size,             [R: these six]
             hidden_dim, norm_eps, rope_theta, rope_scaling, tie_embeddings},
   "source": {"kind": "embedded" | "meta" | "hf" | "gguf", "path": str | null,
-             "rotation": "none" | "hadamard"},   # the shards hold the source's weights with the
-                                 # residual stream rotated (composite/model/rotation.py); absent
-                                 # in older exports: none
+             "rotation": "none" | "hadamard" | "hadamard-ffn"},   # the shards hold the source's weights
+                                 # with the residual stream rotated (and, hadamard-ffn, each
+                                 # feed-forward's hidden activation; composite/model/rotation.py);
+                                 # absent in older exports: none
   "max_seq_len": int,            # cache slots; positions 0 .. max_seq_len-1          [R]
   "methods": {"decode": 1, "prefill": int},   # method name -> tokens per call       [R]
   "kv_cache": {                                                                     [R: dtype, shapes]

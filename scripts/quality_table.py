@@ -47,7 +47,10 @@ EMBEDDINGS = {
 }
 BASES = {
     "fp16": ("XNNPACK fp16", [*XNNPACK, "--dtype", "fp16"]),
-    "8da8w": ("XNNPACK 8da8w (defaults: rotated, unclipped scales)", [*XNNPACK, "--quantize", "8da8w"]),
+    "8da8w": (
+        "XNNPACK 8da8w (defaults: residual and feed-forward rotations, unclipped scales)",
+        [*XNNPACK, "--quantize", "8da8w"],
+    ),
     "8da4w": (
         "XNNPACK 8da4w g32 (defaults: 8-bit head, unclipped scales, not rotated)",
         [*XNNPACK, "--quantize", "8da4w", "--group-size", "32"],
@@ -69,6 +72,11 @@ ROWS = {
         [*BASES["8da8w"][1], *TORCHAO, *NO_ROTATION],
     ),
     "8da8w-norot": ("XNNPACK 8da8w, not rotated", [*BASES["8da8w"][1], *NO_ROTATION]),
+    "8da8w-residual": ("XNNPACK 8da8w, residual rotation only", [*BASES["8da8w"][1], "--rotate", "hadamard"]),
+    "8da8w-residual-emb8": (
+        "XNNPACK 8da8w, residual rotation only, embedding 8,0",
+        [*BASES["8da8w"][1], "--rotate", "hadamard", *EMBEDDINGS["-emb8"][0]],
+    ),
     "8da4w-torchao": ("XNNPACK 8da4w g32, torchao's choices (4-bit head, symmetric)", [*BASES["8da4w"][1], *TORCHAO]),
     "8da4w-head8": ("XNNPACK 8da4w g32, 8-bit head, symmetric", [*BASES["8da4w"][1], "--weight-mapping", "symmetric"]),
     "8da4w-rot": ("XNNPACK 8da4w g32, rotated", [*BASES["8da4w"][1], "--rotate", "hadamard"]),

@@ -143,10 +143,10 @@ def test_a_budget_above_the_float_size_gives_the_float_model(mixed):
 
 
 def test_verify_exports_the_recipe_and_measures_what_was_predicted(tmp_path):
-    """With the residual stream rotated: the export rotates it as the tuner measured it."""
+    """With both rotations: the export rotates the model as the tuner measured it."""
     flags = ["--shards", "3", "--candidates", "xnnpack:fp32,xnnpack:8da8w", "--embedding", "none|8,0", "--verify"]
-    result = tune(tmp_path, 1.6, *flags, "--rotate", "hadamard", "--verify-limit-tokens", "128")
-    assert yaml.safe_load((tmp_path / "tuned.yaml").read_text())["rotate"] == "hadamard"
+    result = tune(tmp_path, 1.6, *flags, "--rotate", "hadamard-ffn", "--verify-limit-tokens", "128")
+    assert yaml.safe_load((tmp_path / "tuned.yaml").read_text())["rotate"] == "hadamard-ffn"
     chosen, verified = result["chosen"], result["verified"]
     # the first two chunks of 64 (each scores all but its first token)
     assert verified["tokens"] == 2 * 63

@@ -15,7 +15,7 @@ from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import half_form, quantize_linears, xnnpack_form
 from composite.manifest import DECODE, PREFILL
 from composite.model.default import corpus_text, load_default
-from composite.model.rotation import rotate_residual
+from composite.model.rotation import rotate
 from composite.runtime.chain import ShardChain, eager_chain
 from composite.runtime.generate import generate
 from composite.runtime.sampler import Sampler
@@ -41,11 +41,11 @@ class Float32Boundary(nn.Module):
         return [t.float() for t in self.form(x, *caches)]
 
 
-def eager_generation(shards: int, precision: str, rotated: bool = False, embedding: tuple | None = None):
-    """embedding: (bits, group) of a quantized table in shard 0, looked up as the export does."""
+def eager_generation(shards: int, precision: str, rotation: str = "none", embedding: tuple | None = None):
+    """rotation: the export's `rotate`; embedding: (bits, group) of a quantized table in shard 0,
+    looked up as the export does."""
     model = load_default().model
-    if rotated:
-        rotate_residual(model)
+    rotate(model, rotation)
     modules = []
     for spec in plan_shards(model.args, shards):
         shard = ShardModule(model, spec).eval()
@@ -62,8 +62,8 @@ def eager_generation(shards: int, precision: str, rotated: bool = False, embeddi
     return generate(chain, PROMPT, NEW_TOKENS, Sampler(), keep_logits=True)
 
 
-def eager_tokens(shards: int, precision: str, rotated: bool = False) -> list[int]:
-    return eager_generation(shards, precision, rotated).tokens
+def eager_tokens(shards: int, precision: str, rotation: str = "none") -> list[int]:
+    return eager_generation(shards, precision, rotation).tokens
 
 
 def runner_tokens(folder) -> list[int]:
@@ -154,9 +154,10 @@ def test_8da8w_shards_are_int8_and_give_the_quantized_models_tokens(int8_export,
         assert shard["backends"] == ["XnnpackBackend"]
         # int8 weights with a scale per output channel: about a quarter of the linears' bytes
         assert shard["size"] < 0.6 * float_shard["size"]
-    # 8da8w rotates the residual stream by default (rotate: auto): the eager model is rotated too
-    assert manifest["source"]["rotation"] == "hadamard"
-    expected = eager_tokens(3, "8da8w", rotated=True)
+    # 8da8w on XNNPACK rotates the residual stream and the feed-forwards' hidden activations by
+    # default (rotate: auto): the eager model is rotated too
+    assert manifest["source"]["rotation"] == "hadamard-ffn"
+    expected = eager_tokens(3, "8da8w", rotation="hadamard-ffn")
     assert generate(ShardChain(int8_export), PROMPT, NEW_TOKENS, Sampler()).tokens == expected
     if RUNNER.exists():
         assert runner_tokens(int8_export)["tokens"] == expected

@@ -94,10 +94,11 @@ class XnnpackFeedForward(nn.Module):
     def __init__(self, feed_forward: FeedForward):
         super().__init__()
         self.w1, self.w2, self.w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
+        self.hidden_rotation = feed_forward.hidden_rotation
 
     def forward(self, x):
         gate = self.w1(x)
-        return self.w2(gate * torch.sigmoid(gate) * self.w3(x))
+        return FeedForward.down(self, gate * torch.sigmoid(gate) * self.w3(x))
 
 
 class KernelAttention(nn.Module):

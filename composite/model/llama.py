@@ -144,15 +144,39 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
+class KroneckerRotation(nn.Module):
+    """x -> x (A kron B) for x [..., a * b]: an orthogonal mix of the last dimension computed as
+    two small matmuls, B within blocks of b and A across the a blocks, instead of one dense
+    [a*b, a*b] matrix (composite/model/rotation.py makes A and B and folds the inverse into w2)."""
+
+    def __init__(self, across: torch.Tensor, within: torch.Tensor):
+        super().__init__()
+        # F.linear with buffers, not nn.Linear: the quantizers leave them in float.
+        self.register_buffer("across_t", across.T.contiguous())
+        self.register_buffer("within_t", within.T.contiguous())
+
+    def forward(self, x):
+        a, b = self.across_t.shape[0], self.within_t.shape[0]
+        y = F.linear(x.reshape(*x.shape[:-1], a, b), self.within_t)  # [..., a, b]
+        y = F.linear(y.transpose(-1, -2), self.across_t).transpose(-1, -2)
+        return y.reshape(x.shape)
+
+
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.hidden_rotation: KroneckerRotation | None = None  # rotate "hadamard-ffn" sets it
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.down(F.silu(self.w1(x)) * self.w3(x))
+
+    def down(self, hidden):
+        if self.hidden_rotation is not None:
+            hidden = self.hidden_rotation(hidden)
+        return self.w2(hidden)
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,14 @@ export is repeatable.
 
 The rotation is model-wide: every shard of an export carries the rotated weights and passes the
 rotated hidden state to the next, so it is one setting of the export (`rotate`), recorded in the
-manifest, from which composite.eval rebuilds the float shards it compares each shard against."""
+manifest, from which composite.eval rebuilds the float shards it compares each shard against.
+
+"hadamard-ffn" adds QuaRot's online R4: every feed-forward's hidden activation (w2's input, where
+SwiGLU leaves outliers in the thousands that R1 cannot reach) is rotated at run time by an
+orthogonal H = A kron B, and w2 reads H folded into its weight. B is a randomized Hadamard matrix
+of at most 128 (a power of two), A one of the rest of hidden_dim (or random orthogonal), so the
+op is two small matmuls per layer (model/llama.py's KroneckerRotation), not a dense
+[hidden_dim, hidden_dim] one."""
 
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import io
 
 import torch
 
-from composite.model.llama import RMSNorm, Transformer
+from composite.model.llama import KroneckerRotation, RMSNorm, Transformer
 
 SEED = 0
 
@@ -73,3 +80,39 @@ def rotate_residual(model: Transformer, seed: int = SEED) -> None:
     _fold_norm(model.norm, [model.output])
     _reads(model.tok_embeddings, rotation)
     _reads(model.output, rotation)
+
+
+def hidden_rotation_sizes(hidden_dim: int) -> tuple[int, int]:
+    """(a, b) of the online rotation A kron B of a hidden activation: b the largest power of two
+    <= 128 that divides hidden_dim."""
+    within = 1
+    while within < 128 and hidden_dim % (within * 2) == 0:
+        within *= 2
+    return hidden_dim // within, within
+
+
+def hidden_rotation(hidden_dim: int, seed: int = SEED) -> KroneckerRotation:
+    """The online rotation of a hidden activation of `hidden_dim` (float32)."""
+    across_size, within = hidden_rotation_sizes(hidden_dim)
+    across = rotation_matrix(across_size, seed) if across_size > 1 else torch.ones(1, 1)
+    return KroneckerRotation(across.float(), rotation_matrix(within, seed + 1).float())
+
+
+@torch.no_grad()
+def rotate_hidden(model: Transformer, seed: int = SEED) -> None:
+    """Gives every feed-forward the online rotation of its hidden activation and folds the inverse
+    into w2: (h H)(W2 H)^T = h W2^T."""
+    rotation = hidden_rotation(model.args.hidden_dim, seed)
+    dense = torch.kron(rotation.across_t.T.double(), rotation.within_t.T.double())
+    for layer in model.layers:
+        feed_forward = layer.feed_forward
+        feed_forward.w2.weight.data = (feed_forward.w2.weight.data.double() @ dense).float()
+        feed_forward.hidden_rotation = KroneckerRotation(rotation.across_t.T.clone(), rotation.within_t.T.clone())
+
+
+def rotate(model: Transformer, rotation: str) -> None:
+    """Applies an export's `rotate` setting ("none", "hadamard" or "hadamard-ffn") to `model`."""
+    if rotation in ("hadamard", "hadamard-ffn"):
+        rotate_residual(model)
+    if rotation == "hadamard-ffn":
+        rotate_hidden(model)

@@ -10,7 +10,7 @@ from composite.errors import UserError
 from composite.model.checkpoint import load_checkpoint
 from composite.model.default import default_model
 from composite.model.llama import ModelArgs, Transformer
-from composite.model.rotation import rotate_residual
+from composite.model.rotation import rotate
 from composite.runtime.chain import eager_chain
 from composite.runtime.generate import Generation, Limits, stop_reason
 from composite.split.plan import plan_shards
@@ -37,8 +37,8 @@ def reference_model(manifest: dict, in_export_basis: bool = False) -> Transforme
         model = load_checkpoint(source["path"], None).model
     if model.args.to_dict() != manifest["model"]:
         raise UserError("the source checkpoint no longer matches the export's model hyper-parameters")
-    if in_export_basis and source.get("rotation", "none") == "hadamard":
-        rotate_residual(model)
+    if in_export_basis:
+        rotate(model, source.get("rotation", "none"))
     return model
 
 

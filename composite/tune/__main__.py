@@ -3,7 +3,7 @@ divergence against the float model under a size budget, written as an export con
 
     python -m composite.tune --checkpoint X --text FILE --budget-mb N [--shards 6]
         [--candidates qnn:fp16,qnn:16a8w,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w]
-        [--embedding '8,0|4,32|none'] [--rotate none|hadamard] [--ctx N] [--limit-tokens N] [--score all|second-half]
+        [--embedding '8,0|4,32|none'] [--rotate none|hadamard|hadamard-ffn] [--ctx N] [--limit-tokens N] [--score all|second-half]
         --output tuned.yaml [--plot tuned.png] [--verify] [--measure-uniform] [--json]
 
 1. Sensitivity: for each group (the embedding, shards - 2 runs of layers, the head) and each choice,
@@ -48,7 +48,7 @@ from composite.export import bos_id, versions
 from composite.lowering.worker import ForkedWorker, split_work
 from composite.manifest import sha256_file
 from composite.model.checkpoint import load_checkpoint
-from composite.model.rotation import rotate_residual
+from composite.model.rotation import rotate
 from composite.tokenizer import tokenizer_for_model
 from composite.tune.candidates import (
     DEFAULT_CANDIDATES,
@@ -88,7 +88,8 @@ def parse_args(argv):
         "--rotate",
         choices=ROTATIONS,
         default="none",
-        help="measure (and export) the model with its residual stream rotated (hadamard) or not (default none)",
+        help="measure (and export) the model with its residual stream rotated (hadamard), that and each "
+        "feed-forward's hidden activation (hadamard-ffn), or not (default none)",
     )
     p.add_argument("--max-seq-len", type=int, default=512, help="the export's KV cache length (default 512)")
     p.add_argument("--prefill-len", type=int, default=64, help="the export's prefill width (default 64)")
@@ -258,12 +259,12 @@ def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cach
     }
 
 
-def options_per_group(groups, candidates, embedding, measured, model_args, group_size) -> list[list[Option]]:
+def options_per_group(groups, candidates, embedding, measured, model_args, group_size, rotation) -> list[list[Option]]:
     out = []
     for group in groups:
         options = []
         for choice in choices_for(group, candidates, embedding):
-            stored, read = group_bytes(group, choice, model_args, group_size)
+            stored, read = group_bytes(group, choice, model_args, group_size, rotation)
             options.append(
                 Option(group.index, choice, stored, read, measured[(group.index, choice_name(choice))]["kld"])
             )
@@ -409,15 +410,17 @@ def tune(args) -> dict:
         raise UserError(f"--text {args.text} is empty: the measurements need real text")
     loaded = load_checkpoint(args.checkpoint, args.params)
     model = loaded.model.eval()
-    if args.rotate == "hadamard":
-        rotate_residual(model)
+    rotate(model, args.rotate)
     tokenizer = tokenizer_for_model(loaded.tokenizer_path, model.args.vocab_size)
     if tokenizer is None:
         raise UserError("composite.tune reads a text: this checkpoint has no tokenizer beside it")
     bos = bos_id(loaded, tokenizer)
     groups = plan_groups(model.args, args.shards)
     smallest = sum(
-        min(group_bytes(g, c, model.args, args.group_size)[0] for c in choices_for(g, candidates, embedding))
+        min(
+            group_bytes(g, c, model.args, args.group_size, args.rotate)[0]
+            for c in choices_for(g, candidates, embedding)
+        )
         for g in groups
     )
     if smallest > args.budget_mb * MB:
@@ -460,7 +463,7 @@ def tune(args) -> dict:
         args.soc,
     )
     measured = measure_sensitivities(sens, groups, candidates, embedding, cache)
-    per_group = options_per_group(groups, candidates, embedding, measured, model.args, args.group_size)
+    per_group = options_per_group(groups, candidates, embedding, measured, model.args, args.group_size, args.rotate)
     recipes = frontier(per_group)
     budget_bytes = int(args.budget_mb * MB)
     chosen = best_within(recipes, budget_bytes)  # the smallest recipe fits: checked above

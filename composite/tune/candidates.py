@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from composite.config import QNN_PRECISIONS
 from composite.errors import UserError
 from composite.model.llama import ModelArgs
+from composite.model.rotation import hidden_rotation_sizes
 
 DEFAULT_CANDIDATES = "qnn:fp16,qnn:16a8w,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w"
 XNNPACK_PRECISIONS = ("fp32", "8da8w", "8da4w")
@@ -159,9 +160,9 @@ def norm_bytes(dim: int, candidate: Candidate) -> int:
     return (2 if candidate.backend == "qnn" and candidate.precision == "fp16" else 4) * dim
 
 
-def group_bytes(group: Group, choice, args: ModelArgs, group_size: int) -> tuple[int, int]:
+def group_bytes(group: Group, choice, args: ModelArgs, group_size: int, rotation: str = "none") -> tuple[int, int]:
     """(stored bytes, bytes one decode step reads) of `group` under `choice` (a Candidate, or an
-    embedding_quantize string for the embedding)."""
+    embedding_quantize string for the embedding), the model rotated as `rotation` says."""
     vocab, dim = args.vocab_size, args.dim
     if group.kind == "embedding":
         if choice == "none":
@@ -175,5 +176,11 @@ def group_bytes(group: Group, choice, args: ModelArgs, group_size: int) -> tuple
     per_layer = sum(linear_bytes(o, i, choice, group_size) for o, i in layer_linears(args)) + 2 * norm_bytes(
         dim, choice
     )
+    if rotation == "hadamard-ffn":  # the feed-forward's online rotation: float on XNNPACK, quantized on QNN
+        sizes = hidden_rotation_sizes(args.hidden_dim)
+        if choice.backend == "xnnpack":
+            per_layer += sum(4 * n * n for n in sizes)
+        else:
+            per_layer += sum(linear_bytes(n, n, choice, 0) for n in sizes)
     stored = per_layer * (group.layer_end - group.layer_start)
     return stored, stored
