@@ -18,7 +18,6 @@ if __name__ == "__main__" and "--verbose" not in sys.argv:
 
 import argparse
 import errno
-import hashlib
 import os
 import shutil
 import signal
@@ -26,25 +25,26 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-import composite
 from composite import chat_template, qnn_host, shard_cache, staging
 from composite import manifest as manifest_schema
 from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
-from composite.errors import UserError, exits_cleanly
-from composite.lowering import LoweredShard, embedding, finish, lower_shard
-from composite.lowering.calibration import calibration_text
-from composite.lowering.worker import ForkedWorker, split_work
-from composite.manifest import DECODE, PREFILL
+from composite.errors import Failure, UserError, exits_cleanly
+from composite.executor import Done, JobFailed
+from composite.executor.fork import ForkedCall
+from composite.executor.local import LocalExecutor, default_workers
+from composite.export_report import print_summary
+from composite.lowering import embedding
+from composite.lowering.jobs import lowering_jobs
+from composite.lowering.qnn import settle_spill_fill
+from composite.lowering.task import ShardLowered, lower_task
+from composite.memory import PeakMemory, Stopwatch, gb, meminfo
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
 from composite.model.loaded import LoadedModel
-from composite.model.rotation import rotate
 from composite.shard_cache import ShardCache
 from composite.split.plan import ShardSpec, plan_shards
-from composite.split.shard import ShardModule, shard_io
 from composite.tokenizer import Tokenizer, tokenizer_for_model
 
 
@@ -137,216 +137,78 @@ def lower_all(
     folder: Path,
     bos: int | None = None,
     cache: ShardCache | None = None,
-) -> tuple[list[dict], dict | None]:
-    """Lower every shard into `folder`, or take it from the cache; -> (manifest entries, the
-    manifest's qnn summary). bos: the id the runners put before a text prompt, which calibration
-    puts before its text too."""
-    model = loaded.model
-    methods = {DECODE: 1, PREFILL: config.prefill_len}
-    io = [{m: shard_io(model.args, spec, n, config.max_seq_len) for m, n in methods.items()} for spec in specs]
-    names = [{m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in shard.items()} for shard in io]
-    examples = [{m: tuple(t.example() for t in inputs) for m, (inputs, _) in shard.items()} for shard in io]
-    modules = [ShardModule(model, spec).eval() for spec in specs]
-    keys = cache_keys(model, modules, specs, placements, config, tokenizer, bos) if cache is not None else {}
-    embedding_notes = []
-    if config.embedding_bits_and_group() is not None:
-        bits, group = config.embedding_bits_and_group()
-        embedding_notes = embedding.quantize(modules[0], bits, group, specs[-1].index, model.args.tie_embeddings)
+    executor=None,
+    watch: Stopwatch | None = None,
+) -> tuple[list[dict], dict | None, dict[int, dict]]:
+    """Every shard written into `folder`: taken from the cache, or lowered by the executor's jobs
+    (lowering/jobs.py) and stored there as soon as it is done, so an export that stops early
+    keeps what it finished. -> (manifest entries, the manifest's qnn summary, shard index -> how
+    its job ran). bos: the id the runners put before a text prompt, which calibration puts before
+    its text too."""
+    watch = watch or Stopwatch()
+    with watch.stage("cache keys"):
+        keys = shard_cache.export_keys(loaded, specs, placements, config, tokenizer, bos) if cache else {}
     entries: dict[int, dict] = {}
-    baked_spill_fill = {}  # cached QNN shard -> the shared spill-fill size it was compiled with
     for spec in specs:
-        started = time.perf_counter()
         hit = cache.get(keys[spec.index], folder, shard_file(spec)) if cache is not None else None
         if hit is not None:
-            baked_spill_fill[spec.index] = hit.pop(SHARED_SPILL_FILL, 0)
-            entries[spec.index] = {
-                "index": spec.index,
-                "file": shard_file(spec),
-                **hit,
-                "export_seconds": round(time.perf_counter() - started, 2),
-                "cache": "hit",
-            }
-    missed = [(spec, placement) for spec, placement in zip(specs, placements) if spec.index not in entries]
-    qnn_missed = [spec.index for spec, placement in missed if placement.backend == "qnn"]
-    qnn_cached = [i for i, p in enumerate(placements) if p.backend == "qnn" and i in entries]
+            entries[spec.index] = {"index": spec.index, "file": shard_file(spec), **hit, "cache": "hit"}
+    missing = [spec.index for spec in specs if spec.index not in entries]
+    jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing)
+    runs: dict[int, dict] = {}
+    lowered = [job for job in jobs if job.fn is lower_task]
+    progress = tqdm(total=len(lowered), desc="lowering shards", unit="shard", file=sys.stderr, disable=not lowered)
 
-    def lower_plain(index: int) -> dict:
-        """An XNNPACK or portable shard, lowered, written and stored; its manifest entry."""
-        started = time.perf_counter()
-        spec, placement = specs[index], placements[index]
-        module, notes, encodings = lower_shard(modules[index], examples[index], names[index], placement)
-        lowered = finish(module, notes + (embedding_notes if spec.has_embedding else []))
-        entry = write_shard(folder, spec, placement, lowered, io[index], time.perf_counter() - started, encodings)
-        store(cache, keys, entry, folder)
-        return entry
+    def done(finished: Done) -> None:
+        if finished.job.fn is not lower_task:
+            return
+        result: ShardLowered = finished.result
+        spec, placement = specs[result.index], placements[result.index]
+        path = folder / shard_file(spec)
+        path.write_bytes(result.shard.buffer)
+        entry = manifest_schema.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
+        entries[spec.index] = {**entry, **result.qnn}
+        store(cache, keys, entries[spec.index], folder)
+        runs[spec.index] = {
+            "seconds": finished.seconds,
+            "where": finished.where,
+            "peak_bytes": finished.peak_bytes,
+            "stages": result.stages,
+        }
+        progress.update()
 
-    plain = {spec.index: lowering_work(spec, placement) for spec, placement in missed if placement.backend != "qnn"}
-    qnn_work = sum(lowering_work(specs[i], placements[i]) for i in qnn_missed)
-    worker = None
-    if parallel_lowering() and len(plain) + bool(qnn_missed) >= 2:
-        _, theirs = split_work(plain, qnn_work)
-        worker = ForkedWorker(lower_plain, theirs)
-        print(f"note: shards {', '.join(map(str, theirs))} are lowered in a second process", file=sys.stderr)
-        missed = [(spec, placement) for spec, placement in missed if spec.index not in theirs]
-    seconds = {}
+    executor = executor or LocalExecutor(default_workers())
     try:
-        qnn = make_qnn_shards(qnn_missed, model, modules, examples, names, placements, config, tokenizer, bos)
-        for spec, placement in tqdm(missed, desc="lowering shards", unit="shard", file=sys.stderr, disable=not missed):
-            started = time.perf_counter()
-            if placement.backend == "qnn":
-                qnn.lower(spec.index)  # written once all QNN shards share one spill-fill size
-            else:
-                entries[spec.index] = lower_plain(spec.index)
-            seconds[spec.index] = time.perf_counter() - started
-        if worker is not None:
-            entries.update(worker.join())
-            worker = None
+        with watch.stage("lowering"):
+            executor.run(jobs, done)
     finally:
-        if worker is not None:
-            worker.stop()
+        progress.close()
+    shards = [entries[i] for i in sorted(entries)]
     if not any(p.backend == "qnn" for p in placements):
-        return [entries[i] for i in sorted(entries)], None
-    # One spill-fill size for every QNN context, cached or not: a cached shard compiled with
-    # another size is lowered again (rare: small models need none).
-    summary = None
-    floor = max((entries[i]["spill_fill_bytes"] for i in qnn_cached), default=0)
-    while True:
-        if qnn is not None:
-            results, summary = qnn.finish({i: names[i] for i in qnn.lowered}, floor)
-            floor = summary["spill_fill_bytes"]
-            for index, (lowered, own, (sqnr, worst), io_encodings) in results.items():
-                entry = write_shard(
-                    folder, specs[index], placements[index], lowered, io[index], seconds[index], io_encodings
-                )
-                entries[index] = {**entry, "spill_fill_bytes": own, "sqnr_db": sqnr, "sqnr_worst_token_db": worst}
-                store(cache, keys, entries[index], folder, {SHARED_SPILL_FILL: floor})
-        stale = [i for i in qnn_cached if baked_spill_fill[i] != floor]
-        if not stale:
-            break
-        qnn_cached = [i for i in qnn_cached if i not in stale]
-        qnn = make_qnn_shards(stale, model, modules, examples, names, placements, config, tokenizer, bos)
-        for index in stale:
-            started = time.perf_counter()
-            qnn.lower(index)
-            seconds[index] = time.perf_counter() - started
-    return [entries[i] for i in sorted(entries)], summary or cached_qnn_summary(floor)
-
-
-SHARED_SPILL_FILL = "shared_spill_fill_bytes"  # what a cached QNN shard was compiled with
-
-
-def lowering_work(spec: ShardSpec, placement: Placement) -> float:
-    """A rough share of an export's lowering time: QNN layers take about three times an XNNPACK
-    layer (SmolLM2 on this host: ~35 s against ~11 s), an embedding or a head about half a layer."""
-    ends = 0.5 * (spec.has_embedding + spec.has_head)
-    return (3.0 if placement.backend == "qnn" else 1.0) * len(spec.layers) + ends
-
-
-def parallel_lowering() -> bool:
-    """A second lowering process where there is a second core (COMPOSITE_EXPORT_WORKERS=1: none)."""
-    return (os.cpu_count() or 1) >= 2 and os.environ.get("COMPOSITE_EXPORT_WORKERS", "2") != "1"
+        return shards, None, runs
+    with watch.stage("spill-fill"):
+        shared = settle_spill_fill(folder, shards)
+    calibration = [r["stages"]["calibrate"] for r in runs.values() if "calibrate" in r["stages"]]
+    host = qnn_host.prepare()
+    summary = {
+        "build_id": host.build_id,
+        "libraries": host.source,
+        "spill_fill_bytes": shared,
+        "calibration_seconds": round(sum(calibration), 2) if calibration else None,
+    }
+    return shards, summary, runs
 
 
 def shard_file(spec: ShardSpec) -> str:
     return f"shard_{spec.index:02d}.pte"
 
 
-def make_qnn_shards(indices, model, modules, examples, names, placements, config, tokenizer, bos):
-    """The QNN shards to lower (calibrated together), or None when there are none."""
-    if not indices:
-        return None
-    from composite.lowering.qnn import QnnShardLowering, QnnShards
-
-    positions = config.max_seq_len + config.prefill_len
-    jobs = {i: QnnShardLowering(modules[i], examples[i], names[i], placements[i].options, positions) for i in indices}
-    methods = {DECODE: 1, PREFILL: config.prefill_len}
-    return QnnShards(model, modules, jobs, methods, config.max_seq_len, tokenizer, bos)
-
-
-def cached_qnn_summary(spill_fill_bytes: int) -> dict:
-    """The manifest's qnn entry when every QNN shard came from the cache."""
-    host = qnn_host.prepare()
-    return {
-        "build_id": host.build_id,
-        "libraries": host.source,
-        "spill_fill_bytes": spill_fill_bytes,
-        "calibration_seconds": None,
-    }
-
-
-def store(cache: ShardCache | None, keys: dict, entry: dict, folder: Path, extra: dict | None = None) -> None:
+def store(cache: ShardCache | None, keys: dict, entry: dict, folder: Path) -> None:
     if cache is None:
         entry["cache"] = "off"
         return
-    cache.put(keys[entry["index"]], folder / entry["file"], {**entry, **(extra or {})})
+    cache.put(keys[entry["index"]], folder / entry["file"], entry)
     entry["cache"] = "stored"
-
-
-def cache_keys(model, modules, specs, placements, config, tokenizer, bos) -> dict[int, str]:
-    """Each shard's cache key: everything that decides its .pte and manifest entry."""
-    common = {
-        "versions": versions(),
-        "source": shard_cache.source_fingerprint(),
-        "model": model.args.to_dict(),
-        "max_seq_len": config.max_seq_len,
-        "methods": {DECODE: 1, PREFILL: config.prefill_len},
-    }
-    qnn_common = None
-    if any(p.backend == "qnn" for p in placements):
-        # A QNN shard's calibration inputs and held-out SQNR input come from the whole float chain.
-        qnn_common = {
-            "qnn_build": qnn_host.prepare().build_id,
-            "float_model": shard_cache.tensors_digest(model),
-            "tokenizer": manifest_schema.sha256_file(tokenizer.path) if tokenizer is not None else None,
-            "bos": bos,
-        }
-    keys = {}
-    for spec, placement, module in zip(specs, placements, modules):
-        parts = {
-            **common,
-            "weights": shard_cache.tensors_digest(module),
-            "layers": [spec.layer_start, spec.layer_end],
-            "embedding": spec.has_embedding,
-            "head": spec.has_head,
-            "placement": {"backend": placement.backend, "options": placement.options},
-            "embedding_quantize": config.embedding_bits_and_group() if spec.has_embedding else None,
-        }
-        if placement.backend == "qnn":
-            calibration = placement.options.get("calibration") or {}
-            text = hashlib.sha256(calibration_text(calibration).encode()).hexdigest()
-            parts["qnn"] = {**qnn_common, "calibration": calibration, "calibration_text": text}
-        keys[spec.index] = shard_cache.key_of(parts)
-    return keys
-
-
-def write_shard(
-    folder: Path,
-    spec: ShardSpec,
-    placement: Placement,
-    lowered: LoweredShard,
-    io: dict,
-    seconds: float,
-    io_encodings: dict | None = None,
-) -> dict:
-    """Write one shard's .pte and describe it; the program's own metadata must match the description.
-    io_encodings: method -> ("in" | "out", name) -> Encoding of its native I/O tensors."""
-    path = folder / shard_file(spec)
-    path.write_bytes(lowered.buffer)
-    described = {}
-    for m, (i, o) in io.items():
-        native = {
-            key: (manifest_schema.dtype_name(e.dtype), e.quant_entry())
-            for key, e in (io_encodings or {}).get(m, {}).items()
-        }
-        described[m] = {
-            "inputs": manifest_schema.tensor_entries(i, {n: q for (side, n), q in native.items() if side == "in"}),
-            "outputs": manifest_schema.tensor_entries(o, {n: q for (side, n), q in native.items() if side == "out"}),
-        }
-    entry = manifest_schema.shard_entry(path, spec, placement, lowered, described, seconds)
-    from executorch.runtime import Runtime  # ExecuTorch's whole exir: not loaded before an export gets here
-
-    manifest_schema.check_against_program(Runtime.get().load_program(path), entry)
-    return entry
 
 
 def build_manifest(
@@ -357,7 +219,7 @@ def build_manifest(
     shards: list[dict],
     qnn_summary: dict | None,
 ) -> dict:
-    args = loaded.model.args
+    args = loaded.args
     tokenizer_entry = (
         None
         if tokenizer is None
@@ -380,7 +242,7 @@ def build_manifest(
         chat=chat,
         shards=shards,
         qnn=qnn_summary,
-        versions=versions(),
+        versions=manifest_schema.versions(),
     )
 
 
@@ -402,82 +264,11 @@ def bos_id(loaded: LoadedModel, tokenizer: Tokenizer | None) -> int | None:
     return tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id >= 0 else None
 
 
-def versions() -> dict:
-    import executorch.version
-    import torchao
-
-    return {
-        "composite": composite.__version__,
-        "torch": torch.__version__,
-        "executorch": executorch.version.__version__,
-        "torchao": torchao.__version__,
-    }
-
-
-def format_sqnr(db: float | None) -> str:
-    return "exact" if db is None or db == float("inf") else f"{db:.1f}"
-
-
-def print_summary(shards: list[dict], total_seconds: float, output: Path, qnn_summary: dict | None) -> None:
-    """One row per shard. cache: "hit" (taken from the shard cache), "stored" (lowered and put
-    there) or "off". SQNR (dB, against the float shard on a held-out input) is given for the
-    shard's main output per method, decode/prefill, over the whole output and for its worst token;
-    the manifest has the first for every output."""
-    rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "cache", "SQNR dB", "worst token")]
-    for s in shards:
-        first, end = s["layers"]
-        parts = (
-            (["emb"] if s["has_embedding"] else [])
-            + ([f"L{first}" if end - first == 1 else f"L{first}-L{end - 1}"] if end > first else [])
-            + (["head"] if s["has_head"] else [])
-        )
-        backend = Placement(s["placement"]["backend"], s["placement"]["options"]).describe()
-        sqnr = (
-            "/".join(format_sqnr(next(iter(per_output.values()))) for per_output in s["sqnr_db"].values())
-            if "sqnr_db" in s
-            else "-"
-        )
-        worst = (
-            "/".join(format_sqnr(v) for v in s["sqnr_worst_token_db"].values()) if "sqnr_worst_token_db" in s else "-"
-        )
-        rows.append(
-            (
-                str(s["index"]),
-                " ".join(parts),
-                backend,
-                ",".join(s["backends"]) or "none",
-                f"{s['size'] / 1e6:.2f} MB",
-                f"{s['export_seconds']:.1f}",
-                s.get("cache", "-"),
-                sqnr,
-                worst,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-    total = sum(s["size"] for s in shards)
-    for s in shards:
-        for note in s["notes"]:
-            print(f"note: shard {s['index']}: {note}")
-    if qnn_summary is not None and qnn_summary.get("calibration_seconds") is not None:
-        print(
-            f"calibration of the quantized QNN shards (one pass of the float model): "
-            f"{qnn_summary['calibration_seconds']:.1f} s, not in the seconds column"
-        )
-    if qnn_summary is not None:
-        print(
-            f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
-            f"{qnn_summary['spill_fill_bytes']} bytes"
-        )
-    hits = sum(s.get("cache") == "hit" for s in shards)
-    reused = f" ({hits} of them from the cache)" if hits else ""
-    print(f"{len(shards)} shards{reused}, {total / 1e6:.2f} MB, {total_seconds:.1f} s -> {output}")
-
-
-def run_export(config: ExportConfig, cache: ShardCache | None = None) -> Path:
-    """Export `config`; shards are taken from and stored in `cache` unless it is None."""
+def run_export(config: ExportConfig, cache: ShardCache | None = None, executor=None) -> Path:
+    """Export `config`; shards are taken from and stored in `cache` unless it is None. executor:
+    where the lowering jobs run (default: forked processes on this machine, one per core)."""
     started = time.perf_counter()
+    watch = Stopwatch()
     placements = config.placements()
     if any(p.backend == "qnn" for p in placements):
         qnn_host.activate()  # before any slow work: may re-execute this process once
@@ -487,36 +278,52 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None) -> Path:
         Tokenizer(Path(config.tokenizer))  # refuse a bad tokenizer before the weights load
     if config.chat_template:
         chat_template.read_template_file(Path(config.chat_template))
-    folder = staging.make_staging(output)
-    try:
-        loaded = load_checkpoint(config.checkpoint, config.params)
-        rotate(loaded.model, config.rotation())
-        specs = plan_shards(loaded.model.args, config.shards, config.layers_per_shard)
-        check_group_sizes(loaded.model.args, placements)
-        if config.embedding_bits_and_group() is not None:
-            embedding.check(loaded.model.args.dim, *config.embedding_bits_and_group())
-        tokenizer = tokenizer_for_model(config.tokenizer or loaded.tokenizer_path, loaded.model.args.vocab_size)
-        first_bos = bos_id(loaded, tokenizer)
-        chat = chat_template.chat_entry(
-            tokenizer, first_bos, stop_ids(loaded, tokenizer, None), config.chat_template, loaded.chat_template
-        )
-        shards, qnn_summary = lower_all(loaded, specs, placements, config, tokenizer, folder, first_bos, cache)
-        if tokenizer is not None:
-            (folder / tokenizer.path.name).write_bytes(tokenizer.path.read_bytes())
-        manifest_schema.write(folder, build_manifest(loaded, tokenizer, chat, config, shards, qnn_summary))
-        staging.replace_folder(folder, output)
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.finished(folder)
-        raise
-    print_summary(shards, time.perf_counter() - started, output, qnn_summary)
+    with PeakMemory() as memory:
+        folder = staging.make_staging(output)
+        try:
+            with watch.stage("open checkpoint"):
+                loaded = load_checkpoint(config.checkpoint, config.params)
+            specs = plan_shards(loaded.args, config.shards, config.layers_per_shard)
+            check_group_sizes(loaded.args, placements)
+            if config.embedding_bits_and_group() is not None:
+                embedding.check(loaded.args.dim, *config.embedding_bits_and_group())
+            tokenizer = tokenizer_for_model(config.tokenizer or loaded.tokenizer_path, loaded.args.vocab_size)
+            first_bos = bos_id(loaded, tokenizer)
+            chat = chat_template.chat_entry(
+                tokenizer, first_bos, stop_ids(loaded, tokenizer, None), config.chat_template, loaded.chat_template
+            )
+            executor = executor or LocalExecutor(default_workers(), memory_budget(), memory)
+            shards, qnn_summary, runs = lower_all(
+                loaded, specs, placements, config, tokenizer, folder, first_bos, cache, executor, watch
+            )
+            with watch.stage("write"):
+                if tokenizer is not None:
+                    (folder / tokenizer.path.name).write_bytes(tokenizer.path.read_bytes())
+                manifest_schema.write(folder, build_manifest(loaded, tokenizer, chat, config, shards, qnn_summary))
+                staging.replace_folder(folder, output)
+        except BaseException as error:
+            shutil.rmtree(folder, ignore_errors=True)
+            staging.finished(folder)
+            if isinstance(error, JobFailed):
+                raise Failure(
+                    f"lowering {error}; the export's processes held {gb(memory.peak)} at their peak "
+                    f"(this machine has {gb(meminfo('MemTotal'))}); nothing was written"
+                ) from None
+            raise
+    print_summary(shards, runs, watch, memory.peak, time.perf_counter() - started, output, qnn_summary)
     return output
+
+
+def memory_budget() -> int | None:
+    """What the lowering jobs running at once may be expected to hold: most of what is free now."""
+    available = meminfo("MemAvailable")
+    return None if available is None else int(available * 0.9)
 
 
 def terminated(signum, _frame):
     """Clean up here and leave at once. An exception raised from a signal handler can land where
     Python ignores it (a fork hook, a finalizer: seen in CI), and the export would carry on."""
-    ForkedWorker.kill_all()
+    ForkedCall.kill_all()
     staging.remove_unfinished()
     os._exit(128 + signum)
 

@@ -17,12 +17,12 @@ from collections import Counter
 # (stage, the functions that mark it), most specific first: a sample inside the XNNPACK backend's
 # preprocess counts there even though to_edge_transform_and_lower is also on its stack.
 STAGES = [
-    ("checkpoint load", ("load_checkpoint",)),
-    ("shard cache (keys, lookups, stores)", ("cache_keys", "ShardCache.get", "ShardCache.put")),
-    ("calibration (float chain)", ("calibrate",)),
+    ("checkpoint read", ("load_checkpoint", "float_shard")),
+    ("shard cache (keys, lookups, stores)", ("export_keys", "ShardCache.get", "ShardCache.put")),
+    ("float passes (calibration inputs)", ("float_task", "replay")),
     ("QNN quantizer (prepare, convert)", ("prepare_pt2e", "convert_pt2e")),
-    ("SQNR measure (simulator)", ("QnnShards.measure",)),
-    ("QNN spill-fill sharing", ("share_spill_fill",)),
+    ("SQNR measure (simulator)", ("measure",)),
+    ("QNN spill-fill sharing", ("settle_spill_fill", "own_spill_fill")),
     ("partitioning", ("XnnpackPartitioner.partition", "QnnPartitioner.partition", "Partitioner.partition")),
     ("XNNPACK preprocess: graph passes", ("XNNPACKPassManager.transform",)),
     ("XNNPACK preprocess: serialization", ("XnnpackBackend.preprocess",)),

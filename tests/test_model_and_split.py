@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from composite.errors import UserError
-from composite.model.checkpoint import meta_to_rotate_half
 from composite.model.default import DEFAULT_ARGS, default_model
 from composite.model.llama import ModelArgs, apply_rope, rope_cos_sin
+from composite.model.weights import meta_to_rotate_half
 from composite.split.plan import plan_shards, unit_bytes
 
 

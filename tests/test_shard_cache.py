@@ -117,46 +117,63 @@ def test_two_exports_at_once_leave_a_sound_cache(workdir):
     assert taken is not None and taken["sha256"] == shard_hashes(workdir / "race_0")[0]
 
 
-def keys_for(model, placements: list[str], calibration: dict | None = None) -> dict[int, str]:
+def keys_for(loaded, placements: list[str], calibration: dict | None = None) -> dict[int, str]:
     from composite.config import build_config
-    from composite.export import cache_keys
+    from composite.shard_cache import export_keys
     from composite.split.plan import plan_shards
-    from composite.split.shard import ShardModule
 
     values = {"shards": len(placements), "placement": placements, "max_seq_len": MAX_SEQ_LEN}
     values.update(prefill_len=PREFILL_LEN, qnn={"precision": "16a4w", "calibration": calibration or {}})
     config = build_config(None, values)
-    specs = plan_shards(model.args, len(placements))
-    modules = [ShardModule(model, spec).eval() for spec in specs]
-    return cache_keys(model, modules, specs, config.placements(), config, None, None)
+    specs = plan_shards(loaded.args, len(placements))
+    return export_keys(loaded, specs, config.placements(), config, None, None)
 
 
 def test_keys_change_with_a_weight_and_with_library_versions(monkeypatch):
     import torch
 
-    from composite import export
-    from composite.model.default import default_model
+    from composite import manifest
+    from composite.model.default import load_default
 
-    model = default_model()
-    base = keys_for(model, ["xnnpack", "xnnpack", "xnnpack"])
+    loaded = load_default()
+    base = keys_for(loaded, ["xnnpack", "xnnpack", "xnnpack"])
     assert len(set(base.values())) == 3
-    with torch.no_grad():
-        model.layers[2].feed_forward.w2.weight[0, 0] += 1e-3  # a layer of the middle shard
-    changed = keys_for(model, ["xnnpack", "xnnpack", "xnnpack"])
+    with torch.no_grad():  # the keys hash the checkpoint's stored tensors
+        loaded.weights.tensors["layers.2.feed_forward.w2.weight"][0, 0] += 1e-3  # a layer of the middle shard
+    changed = keys_for(loaded, ["xnnpack", "xnnpack", "xnnpack"])
     assert [base[i] == changed[i] for i in range(3)] == [True, False, True]
-    real = export.versions()
-    monkeypatch.setattr(export, "versions", lambda: {**real, "executorch": "0.0.0"})
-    assert all(keys_for(model, ["xnnpack", "xnnpack", "xnnpack"])[i] != changed[i] for i in range(3))
+    real = manifest.versions()
+    monkeypatch.setattr(manifest, "versions", lambda: {**real, "executorch": "0.0.0"})
+    assert all(keys_for(loaded, ["xnnpack", "xnnpack", "xnnpack"])[i] != changed[i] for i in range(3))
 
 
 def test_a_calibration_setting_changes_the_qnn_shards_key_only(qnn_ready):
-    from composite.model.default import default_model
+    from composite.model.default import load_default
 
-    model = default_model()
+    loaded = load_default()
     placements = ["xnnpack", "qnn", "xnnpack"]
-    base = keys_for(model, placements, calibration={"samples": 8})
-    other = keys_for(model, placements, calibration={"samples": 9})
+    base = keys_for(loaded, placements, calibration={"samples": 8})
+    other = keys_for(loaded, placements, calibration={"samples": 9})
     assert [base[i] == other[i] for i in range(3)] == [True, False, True]
+
+
+def test_a_qnn_shards_key_follows_the_float_model_up_to_it_only(qnn_ready):
+    """Its calibration inputs come from the shards before it: a weight after it changes nothing."""
+    import torch
+
+    from composite.model.default import load_default
+
+    loaded = load_default()
+    placements = ["xnnpack", "qnn", "xnnpack"]
+    base = keys_for(loaded, placements)
+    with torch.no_grad():
+        loaded.weights.tensors["layers.5.feed_forward.w2.weight"][0, 0] += 1e-3  # the last shard's
+    after = keys_for(loaded, placements)
+    assert [base[i] == after[i] for i in range(3)] == [True, True, False]
+    with torch.no_grad():
+        loaded.weights.tensors["tok_embeddings.weight"][0, 0] += 1e-3  # the first shard's
+    before = keys_for(loaded, placements)
+    assert [after[i] == before[i] for i in range(3)] == [False, False, True]
 
 
 @pytest.mark.parametrize("limit", ["lots", "-5"])

@@ -16,13 +16,18 @@ from composite.lowering.program import LoweredShard, export_methods, finish
 __all__ = ["LoweredShard", "export_methods", "finish", "lower_shard"]
 
 
-def lower_shard(module: torch.nn.Module, example_inputs: dict[str, tuple], names: dict, placement: Placement):
-    """-> (EdgeProgramManager, notes, encodings) for an XNNPACK or portable shard. QNN shards go through
-    lowering.qnn.QnnShardLowering, whose steps the export interleaves with calibration."""
+def lower_shard(
+    module: torch.nn.Module, example_inputs: dict[str, tuple], names: dict, placement: Placement, consume: bool = False
+):
+    """-> (EdgeProgramManager, notes, encodings) for an XNNPACK or portable shard (consume: the
+    module is the caller's to give up, quantized in place). QNN shards, which are calibrated
+    first, go through lowering.qnn.lower_qnn_shard."""
     if placement.backend == "xnnpack":
-        from composite.lowering import xnnpack as backend
-    elif placement.backend == "portable":
-        from composite.lowering import portable as backend
-    else:
-        raise ValueError(f"lower_shard does not lower {placement.backend} shards")
-    return backend.lower(module, example_inputs, names, placement.options)
+        from composite.lowering import xnnpack
+
+        return xnnpack.lower(module, example_inputs, names, placement.options, consume)
+    if placement.backend == "portable":
+        from composite.lowering import portable
+
+        return portable.lower(module, example_inputs, names, placement.options)
+    raise ValueError(f"lower_shard does not lower {placement.backend} shards")

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from composite import manifest as manifest_schema
 from composite.errors import UserError
 from composite.manifest import DECODE, PREFILL
 from composite.model.default import corpus_text
-from composite.runtime.chain import eager_chain
+from composite.model.llama import cache_shapes
+from composite.runtime.kv_cache import AttentionMask, KVCache
 
 DEFAULT_SAMPLES = 16
 
@@ -41,6 +44,17 @@ def calibration_text(options: dict) -> str:
         except UnicodeDecodeError:
             raise UserError(f"calibration file {options['file']} is not UTF-8 text") from None
     return corpus_text()
+
+
+def effective_options(placements: list, index: int) -> dict:
+    """The calibration settings QNN shard `index` is calibrated and measured with: its own, and
+    no samples where every QNN shard that shares them is fp16 (those need only the held-out input,
+    to measure SQNR). Shards with the same effective settings share one calibration run."""
+    own = placements[index].options.get("calibration") or {}
+    sharing = [p for p in placements if p.backend == "qnn" and (p.options.get("calibration") or {}) == own]
+    if all(p.options["precision"] == "fp16" for p in sharing):
+        return {**own, "samples": 0}
+    return dict(own)
 
 
 def token_stream(options: dict, tokenizer, vocab_size: int, length: int) -> list[int]:
@@ -59,6 +73,138 @@ def token_stream(options: dict, tokenizer, vocab_size: int, length: int) -> list
 Consumer = Callable[[str, tuple], None]  # (method, inputs) -> None
 
 
+@dataclass(frozen=True)
+class Call:
+    """One call of every shard's `method` in a calibration run, as a runner makes it."""
+
+    method: str
+    tokens: tuple[int, ...]  # the real tokens (at most the method's width; the rest is padding)
+    pos: int  # position of the first
+    starts_sequence: bool  # caches are cleared before it
+    held_out: bool  # from text calibration never sees: the input that measures a lowered shard
+    rows: int | None = None  # decode steps made as one prefill call of this many tokens (see calibrate)
+
+
+def calibration_calls(
+    options: dict,
+    tokenizer,
+    vocab_size: int,
+    methods: dict[str, int],
+    max_seq_len: int,
+    bos_id: int | None = None,
+    head_decode_from_rows: bool = False,
+) -> list[Call]:
+    """The calls of a calibration run: `samples` prefill calls and as many decode calls as that
+    covers tokens (samples x prefill width), since one decode call sees a single token. Each pass
+    starts a sequence as the runners do, with `bos_id` when the export adds one (trained models
+    put their largest activations on a sequence's first token), prefills over the first half of
+    the cache, then decodes to its end, so inputs come with caches partly filled, as in real use.
+    A last pass (one prefill, one decode call) is held out."""
+    width = methods[PREFILL]
+    prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
+    decode_calls = prefill_calls * width
+    chunks_per_pass = max(1, min(prefill_calls, (max_seq_len // 2) // width))
+    decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - 1)
+    passes = max(-(-prefill_calls // chunks_per_pass), -(-decode_calls // decode_per_pass))
+    plan = []
+    prefill_left, decode_left = prefill_calls, decode_calls
+    for _ in range(passes):
+        plan.append((min(chunks_per_pass, prefill_left), min(decode_per_pass, decode_left)))
+        prefill_left -= plan[-1][0]
+        decode_left -= plan[-1][1]
+    plan.append((1, 1))  # held out
+    stream = token_stream(options, tokenizer, vocab_size, sum(p * width + d for p, d in plan))
+    calls, cursor = [], 0
+    for pass_index, (chunks, steps) in enumerate(plan):
+        held_out = pass_index == len(plan) - 1
+        pos = 0
+        for _ in range(chunks):
+            chunk = stream[cursor : cursor + width]
+            if pos == 0 and bos_id is not None:
+                chunk = [bos_id, *chunk[:-1]]
+            calls.append(Call(PREFILL, tuple(chunk), pos, pos == 0, held_out))
+            pos += width
+            cursor += width
+        if head_decode_from_rows:
+            for start in range(0, steps, width):
+                rows = min(width, steps - start)
+                calls.append(Call(PREFILL, tuple(stream[cursor : cursor + rows]), pos, pos == 0, held_out, rows))
+                pos += rows
+                cursor += rows
+            continue
+        for _ in range(steps):
+            calls.append(Call(DECODE, (stream[cursor],), pos, pos == 0, held_out))
+            pos += 1
+            cursor += 1
+    return calls
+
+
+class ShardReplay:
+    """A float shard called as the runners call it (runtime/chain.py's Chain, one shard of it):
+    the same padded tokens or hidden state, positions, mask, its own layers' KV cache (cleared
+    where a sequence starts, new entries written after each call) and logits row."""
+
+    def __init__(self, module, methods: dict[str, int], max_seq_len: int):
+        self.module, self.methods, self.spec = module, dict(methods), module.spec
+        self.cache = KVCache(len(module.spec.layers), *cache_shapes(module.args, max_seq_len))
+        self.masks = {name: AttentionMask(n, max_seq_len, manifest_schema.MASK_HIDDEN) for name, n in methods.items()}
+
+    def inputs(self, call: Call, x) -> list:
+        """The shard's inputs for `call`; x: the previous shard's output (None for the embedding)."""
+        width = self.methods[call.method]
+        count = len(call.tokens)
+        if self.spec.has_embedding:
+            x = torch.tensor([list(call.tokens) + [0] * (width - count)], dtype=torch.int64)
+        inputs = [x]
+        if len(self.spec.layers):
+            if call.starts_sequence:
+                self.cache.reset()
+            inputs += [
+                torch.arange(call.pos, call.pos + width, dtype=torch.int64),
+                self.masks[call.method].at(call.pos),
+            ]
+            for i in range(len(self.spec.layers)):
+                inputs += [self.cache.k[i], self.cache.v[i]]
+        if self.spec.has_head and width > 1:
+            inputs.append(torch.tensor([count - 1], dtype=torch.int64))
+        return inputs
+
+    def run(self, call: Call, inputs: list) -> list:
+        with torch.no_grad():
+            outputs = list(self.module(*inputs))
+        for i in range(len(self.spec.layers)):
+            self.cache.write(i, outputs[1 + 2 * i], outputs[2 + 2 * i], call.pos, len(call.tokens))
+        return outputs
+
+
+def replay(
+    module,
+    calls: list[Call],
+    stream: list | None,
+    methods: dict[str, int],
+    max_seq_len: int,
+    observe: Callable[[Call, list], None] | None = None,
+    keep_outputs: bool = True,
+    progress=None,
+) -> list | None:
+    """Runs the float shard `module` over `calls`, its input for each being the previous shard's
+    output in `stream` (None for the embedding shard: the calls' tokens); observe(call, inputs)
+    sees every input before the shard runs. -> the shard's main output per call (the next shard's
+    stream), or None with keep_outputs false."""
+    shard = ShardReplay(module, methods, max_seq_len)
+    outputs = [] if keep_outputs else None
+    for i, call in enumerate(calls):
+        inputs = shard.inputs(call, None if stream is None else stream[i])
+        if observe is not None:
+            observe(call, inputs)
+        result = shard.run(call, inputs)
+        if keep_outputs:
+            outputs.append(result[0])
+        if progress is not None:
+            progress.update()
+    return outputs
+
+
 def calibrate(
     model,
     shard_modules: list,
@@ -70,13 +216,11 @@ def calibrate(
     bos_id: int | None = None,
     head_decode_from_rows: bool = False,
 ) -> dict[int, dict[str, tuple]]:
-    """Push calibration text through the float chain; each consumer gets every input its shard
-    receives, as it arrives (nothing is stored: decode inputs carry whole KV caches). `samples`
-    prefill calls are made, and as many decode calls as that covers tokens (samples x prefill
-    width), since one decode call sees a single token. Every pass starts a sequence as the runners
-    do, with `bos_id` when the export adds one: trained models put their largest activations on a
-    sequence's first token. Returns one further input per shard and method, from text the
-    consumers never saw, for measuring the lowered shard.
+    """Push calibration text (calibration_calls) through the float shards, one shard at a time
+    over all the calls (each shard keeps its own layers' cache), each consumer getting every
+    input its shard receives, as it arrives (nothing is stored: decode inputs carry whole KV
+    caches). Returns one further input per shard and method, from text the consumers never saw,
+    for measuring the lowered shard.
 
     head_decode_from_rows: a shard of the head alone takes no cache, so its decode input for a
     token is that token's row of a prefill call over the same positions. The decode steps are then
@@ -86,78 +230,43 @@ def calibrate(
     graph of the head's logits on every row observes exactly the decode steps' values. No
     other shard's decode graph gets anything (composite.tune, whose layer groups stand by their
     prefill graphs)."""
-    width = methods[PREFILL]
-    prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
-    decode_calls = prefill_calls * width
-    chain = eager_chain(model, shard_modules, methods, max_seq_len)
-    held_out: dict[int, dict[str, tuple]] = {index: {} for index in consumers}
-    holding_out = False
-    head_only = {
-        m.spec.index for m in shard_modules if m.spec.has_head and not m.spec.has_embedding and not m.spec.layers
-    }
-    rows_of: int | None = None  # while decode steps run as a prefill call: its real token count
-
-    def observe(index: int, method: str, inputs: list) -> None:
-        if index not in consumers:
-            return
-        if rows_of is not None:
-            if index in head_only:
-                real_rows = inputs[0][:, torch.arange(width).clamp(max=rows_of - 1)]
-                observe_one(index, DECODE, [real_rows, torch.arange(width)])
-            return
-        observe_one(index, method, inputs)
-
-    def observe_one(index: int, method: str, inputs: list) -> None:
-        if holding_out:
-            held_out[index].setdefault(method, tuple(t.clone() for t in inputs))
-        else:
-            consumers[index](method, tuple(inputs))
-
-    chain.input_observer = observe
-
-    # Each pass: prefill chunks over the first half of the cache, then decode steps to its end,
-    # so inputs come with caches partly filled, as in real use.
-    chunks_per_pass = max(1, min(prefill_calls, (max_seq_len // 2) // width))
-    decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - 1)
-    passes = max(-(-prefill_calls // chunks_per_pass), -(-decode_calls // decode_per_pass))
-    plan = []
-    prefill_left, decode_left = prefill_calls, decode_calls
-    for _ in range(passes):
-        plan.append((min(chunks_per_pass, prefill_left), min(decode_per_pass, decode_left)))
-        prefill_left -= plan[-1][0]
-        decode_left -= plan[-1][1]
-    plan.append((1, 1))  # held out
-    stream = token_stream(options, tokenizer, model.args.vocab_size, sum(p * width + d for p, d in plan))
-    cursor = 0
-    progress = tqdm(
-        total=sum(c + d for c, d in plan), desc="calibrating", unit="call", file=sys.stderr, disable=prefill_calls == 0
+    calls = calibration_calls(
+        options, tokenizer, model.args.vocab_size, methods, max_seq_len, bos_id, head_decode_from_rows
     )
-    for pass_index, (chunks, steps) in enumerate(plan):
-        holding_out = pass_index == len(plan) - 1
-        chain.reset()
-        pos = 0
-        for _ in range(chunks):
-            chunk = stream[cursor : cursor + width]
-            if pos == 0 and bos_id is not None:
-                chunk = [bos_id, *chunk[:-1]]
-            chain.forward(PREFILL, chunk, pos)
-            pos += width
-            cursor += width
-            progress.update()
-        if head_decode_from_rows:
-            for start in range(0, steps, width):
-                rows_of = min(width, steps - start)
-                chain.forward(PREFILL, stream[cursor : cursor + rows_of], pos)
-                pos += rows_of
-                cursor += rows_of
-                progress.update(rows_of)
-            rows_of = None
-            continue
-        for _ in range(steps):
-            chain.forward(DECODE, [stream[cursor]], pos)
-            pos += 1
-            cursor += 1
-            progress.update()
+    width = methods[PREFILL]
+    held_out: dict[int, dict[str, tuple]] = {index: {} for index in consumers}
+    last = max((i for i, m in enumerate(shard_modules) if m.spec.index in consumers), default=-1)
+    progress = tqdm(
+        total=len(calls) * (last + 1),
+        desc="calibrating",
+        unit="call",
+        file=sys.stderr,
+        disable=int(options.get("samples", DEFAULT_SAMPLES)) == 0,
+    )
+
+    def observer(index: int, head_only: bool):
+        def observe(call: Call, inputs: list) -> None:
+            if call.rows is not None:
+                if head_only:
+                    real_rows = inputs[0][:, torch.arange(width).clamp(max=call.rows - 1)]
+                    observe_one(call, DECODE, [real_rows, torch.arange(width)])
+                return
+            observe_one(call, call.method, inputs)
+
+        def observe_one(call: Call, method: str, inputs: list) -> None:
+            if call.held_out:
+                held_out[index].setdefault(method, tuple(t.clone() for t in inputs))
+            else:
+                consumers[index](method, tuple(inputs))
+
+        return observe
+
+    stream = None
+    for module in shard_modules[: last + 1]:
+        spec = module.spec
+        head_only = spec.has_head and not spec.has_embedding and not spec.layers
+        observe = observer(spec.index, head_only) if spec.index in consumers else None
+        stream = replay(module, calls, stream, methods, max_seq_len, observe, progress=progress)
     progress.close()
     return held_out
 

@@ -2,10 +2,10 @@
 chosen ops to XNNPACK inside the same .pte.
 
 The shard is first rewritten into its HTP-friendly form (htp_graph.py). Quantized precisions are
-calibrated with the shard's real inputs (calibration.py streams them from the float model into the
-observers) and converted with ExecuTorch's QnnQuantizer through torchao's pt2e flow. Every QNN program is compiled
-with multi-context enabled so that one spill-fill size, computed over all QNN shards of the export
-(`share_spill_fill`), can be written into each of them.
+calibrated with the shard's real inputs (the float model's, as calibration.py replays them) and
+converted with ExecuTorch's QnnQuantizer through torchao's pt2e flow. Every QNN program is compiled
+with multi-context enabled, each with the spill-fill size it needs itself; the export then writes
+the largest of them into every QNN shard (`with_spill_fill`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import contextlib
 import copy
 import dataclasses
 import fnmatch
+import hashlib
 import importlib
-import json
+import struct
 import time
 
 import torch
@@ -24,9 +25,9 @@ from executorch.runtime import Runtime
 from composite import qnn_host
 from composite.errors import UserError
 from composite.lowering import native_io
-from composite.lowering.calibration import calibrate, sqnr_db
+from composite.lowering.calibration import replay, sqnr_db
 from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
-from composite.lowering.program import finish
+from composite.lowering.program import LoweredShard, executorch_config, finish
 from composite.runtime.encoding import convert
 
 QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
@@ -192,6 +193,21 @@ class QnnShardLowering:
             return {}
         return native_io.io_observers(self.graphs[method], *self.names[method])
 
+    def share_io_ranges(self, hidden_out: dict[str, tuple[float, float]]) -> None:
+        """One range per layer cache (its input and new-entry output, in every method); the hidden
+        state out of the shard gets `hidden_out` (method -> (min, max))."""
+        caches: dict[tuple, list] = {}
+        for method in self.graphs:
+            for (side, name), observer in self.io_observers(method).items():
+                if name == "hidden":
+                    if side == "out" and method in hidden_out and hasattr(observer, "min_val"):
+                        low, high = hidden_out[method]
+                        observer.min_val.fill_(low)
+                        observer.max_val.fill_(high)
+                else:
+                    caches.setdefault((name.split("_")[0], name.split(".")[1]), []).append(observer)
+        native_io.share_ranges(list(caches.values()))
+
     def observe(self, method: str, inputs) -> None:
         """One calibration input (quantized precisions only)."""
         with torch.no_grad():
@@ -216,9 +232,11 @@ class QnnShardLowering:
             if self.native_io:
                 self.io_encodings = {m: native_io.read_params(g, *self.names[m]) for m, g in graphs.items()}
         edge = self._to_edge(graphs, compile_spec(self.options))
+        content_signatures(edge)
         twin = None
         if self.options["weight_sharing"]:
             unshared = self._to_edge(graphs, compile_spec({**self.options, "weight_sharing": False}))
+            content_signatures(unshared)
             twin = finish(unshared, [], self.planning()).buffer
         notes = []
         if self.quantized:
@@ -313,129 +331,169 @@ def qnn_backend_modules(edge) -> list:
     return modules
 
 
-def share_spill_fill(edges: list, floor: int = 0) -> tuple[int, list[int]]:
-    """One spill-fill buffer size for every QNN context of every shard: the maximum any of them
-    needs (at least `floor`: the needs of QNN shards taken from the cache), written into each
-    context's compile spec. On device the HTP backend keeps one process-wide buffer of that size
-    for all of them. Returns (shared size, each shard's own need)."""
+CONTEXT_MAGIC = 0xABCD  # low half of 0x5678ABCD, ExecuTorch's QnnContextCustomProtocol magic number
+
+
+def content_signatures(edge) -> None:
+    """Each QNN context's signature made from its content. ExecuTorch writes a context's payload as
+    magic (4 bytes), signature (int64), size (8 bytes), context binary; the signature is the time
+    it was compiled, and the runtime uses it to find the context the methods of a program share
+    (decode and prefill in one context). A hash of the rest of the payload identifies the context
+    as well, and makes a shard's bytes the same wherever and whenever it is lowered (a local
+    export, a cluster's, the cache's)."""
+    for module in qnn_backend_modules(edge):
+        payload = module.processed_bytes
+        magic, _ = struct.unpack_from("<Iq", payload)
+        if magic & 0xFFFF != CONTEXT_MAGIC:
+            raise RuntimeError(
+                "a QNN delegate payload without ExecuTorch's context header: unknown ExecuTorch version?"
+            )
+        digest = hashlib.sha256(payload[:4] + payload[12:]).digest()
+        signature = int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+        module._processed_bytes = payload[:4] + struct.pack("<q", signature) + payload[12:]
+
+
+def own_spill_fill(edge) -> int:
+    """The spill-fill bytes the shard's own contexts need, written into their compile specs (the
+    export later raises it to the size shared by all QNN shards: with_spill_fill)."""
+    from executorch.backends.qualcomm.utils.utils import update_spill_fill_size
+
+    modules = qnn_backend_modules(edge)
+    return int(update_spill_fill_size(modules)) if modules else 0
+
+
+def with_spill_fill(buffer: bytes, size: int) -> bytes:
+    """A lowered QNN shard's .pte with `size` as every context's spill-fill buffer. On device the
+    HTP backend keeps one process-wide buffer of the largest size any context asks for, shared by
+    all of them. Only the compile specs change (the context binaries do not depend on it), so the
+    program is rewritten by ExecuTorch's own serializer, not lowered again; a shard that already
+    has `size` is returned as it is. The rewritten file is a function of the shard's bytes and
+    the size alone: a shard lowered here, on another machine or taken from the cache ends up the
+    same."""
     from executorch.backends.qualcomm.serialization.qc_schema_serialize import (
         flatbuffer_to_option,
         option_to_flatbuffer,
     )
     from executorch.backends.qualcomm.utils.constants import QCOM_QNN_COMPILE_SPEC
-    from executorch.backends.qualcomm.utils.utils import update_spill_fill_size
-    from executorch.exir.backend.compile_spec_schema import CompileSpec
+    from executorch.exir._serialize._program import deserialize_pte_binary, serialize_pte_binary
 
-    own = [int(update_spill_fill_size(modules)) if (modules := qnn_backend_modules(edge)) else 0 for edge in edges]
-    every = [m for edge in edges for m in qnn_backend_modules(edge)]
-    shared = int(update_spill_fill_size(every)) if every else 0
-    if floor > shared:
-        for module in every:
-            options = flatbuffer_to_option(module.compile_specs[0].value)
-            options.backend_options.htp_options.max_sf_buf_size = floor
-            module._compile_specs[0] = CompileSpec(QCOM_QNN_COMPILE_SPEC, option_to_flatbuffer(options))
-        shared = floor
-    return shared, own
+    pte = deserialize_pte_binary(buffer)
+    changed = False
+    for plan in pte.program.execution_plan:
+        for delegate in plan.delegates:
+            if delegate.id != "QnnBackend":
+                continue
+            for spec in delegate.compile_specs:
+                if spec.key != QCOM_QNN_COMPILE_SPEC:
+                    continue
+                options = flatbuffer_to_option(spec.value)
+                if options.backend_options.htp_options.max_sf_buf_size != size:
+                    options.backend_options.htp_options.max_sf_buf_size = size
+                    spec.value = option_to_flatbuffer(options)
+                    changed = True
+    if not changed:
+        return buffer
+    config = executorch_config()
+    return bytes(
+        serialize_pte_binary(
+            pte,
+            extract_delegate_segments=config.extract_delegate_segments,
+            segment_alignment=config.segment_alignment,
+            constant_tensor_alignment=config.constant_tensor_alignment,
+            delegate_alignment=config.delegate_alignment,
+        )
+    )
 
 
-class QnnShards:
-    """Every QNN shard of one export, handled together where they must be: built, then calibrated
-    in shared passes of the float chain (shards with the same calibration options share one), then
-    lowered one by one, then given one spill-fill size, then measured (SQNR against the float shard
-    on an input calibration never saw)."""
+def settle_spill_fill(folder, entries: list[dict]) -> int:
+    """Every QNN shard of an export (the manifest `entries`, files in `folder`) gets the largest
+    spill-fill size any of them needs (with_spill_fill), its entry's size and sha256 updated.
+    Each entry's own "spill_fill_bytes" stays its own need. -> the shared size."""
+    from composite import manifest as manifest_schema
 
-    def __init__(
-        self,
-        model,
-        modules: list,
-        jobs: dict[int, QnnShardLowering],
-        methods: dict[str, int],
-        max_seq_len: int,
-        tokenizer,
-        bos_id: int | None = None,
-    ):
-        self.modules, self.jobs = modules, jobs
-        self.lowered: dict[int, tuple] = {}  # shard index -> (edge program, notes, twin), until finish()
-        started = time.perf_counter()
-        self.held_out = self._calibrate(model, methods, max_seq_len, tokenizer, bos_id)
-        self._share_io_ranges()
-        quantized = any(job.quantized for job in jobs.values())
-        self.calibration_seconds = round(time.perf_counter() - started, 2) if quantized else None
+    qnn = [e for e in entries if e["placement"]["backend"] == "qnn"]
+    shared = max((e["spill_fill_bytes"] for e in qnn), default=0)
+    for entry in qnn:
+        if entry["spill_fill_bytes"] != shared:
+            path = folder / entry["file"]
+            path.write_bytes(with_spill_fill(path.read_bytes(), shared))
+            entry["sha256"], entry["size"] = manifest_schema.sha256_file(path), path.stat().st_size
+    return shared
 
-    def _calibrate(self, model, methods: dict[str, int], max_seq_len: int, tokenizer, bos_id) -> dict[int, dict]:
-        groups: dict[str, dict[int, QnnShardLowering]] = {}
-        for index, job in self.jobs.items():
-            groups.setdefault(json.dumps(job.options.get("calibration") or {}, sort_keys=True), {})[index] = job
-        held_out = {}
-        for key, group in groups.items():
-            consumers = {
-                index: job.observe if job.quantized else (lambda method, inputs: None) for index, job in group.items()
-            }
-            options = json.loads(key)
-            if not any(job.quantized for job in group.values()):
-                options["samples"] = 0  # fp16 shards need only the held-out input, to measure SQNR
-            held_out.update(calibrate(model, self.modules, consumers, methods, max_seq_len, options, tokenizer, bos_id))
-        return held_out
 
-    def _share_io_ranges(self) -> None:
-        """One range per layer cache (its input and new-entry output, in every method) and per
-        hidden state passed between two adjacent quantized-I/O QNN shards (in each method)."""
-        groups: dict[tuple, list] = {}
-        for index, job in self.jobs.items():
-            for method in job.graphs:
-                for (side, name), observer in job.io_observers(method).items():
-                    if name == "hidden":
-                        key = ("hidden", index if side == "out" else index - 1, method)
-                    else:
-                        key = (name.split("_")[0], name.split(".")[1])  # ("k" | "v", layer)
-                    groups.setdefault(key, []).append(observer)
-        native_io.share_ranges(list(groups.values()))
+@dataclasses.dataclass
+class QnnLowered:
+    shard: LoweredShard  # its contexts' spill-fill size is the shard's own need
+    spill_fill_bytes: int
+    sqnr_db: dict[str, dict[str, float]]  # method -> output name -> SQNR against the float shard
+    sqnr_worst_token_db: dict[str, float]  # method -> SQNR of the main output's worst token
+    io_encodings: dict  # method -> ("in" | "out", name) -> Encoding of its native I/O
+    stages: dict[str, float]  # seconds: calibrate (quantized precisions), lower, measure
 
-    def lower(self, index: int) -> None:
-        job = self.jobs.pop(index)  # the prepared graphs go once lowered
-        edge, notes, twin = job.lower()
-        self.lowered[index] = (edge, notes, twin, job.io_encodings, job.planning())
 
-    def finish(self, io_names: dict[int, dict[str, tuple]], spill_fill_floor: int = 0) -> tuple[dict[int, tuple], dict]:
-        """io_names: shard index -> method -> (its inputs' names, its outputs' names). -> ({shard index:
-        (LoweredShard, own spill-fill bytes, (SQNR per method and output, worst-token SQNR per
-        method), native I/O encodings per method)}, the manifest's qnn summary)."""
-        indices = sorted(self.lowered)
-        shared, own = share_spill_fill([self.lowered[i][0] for i in indices], spill_fill_floor)
-        host = qnn_host.prepare()
-        results = {}
-        for index, own_bytes in zip(indices, own):
-            edge, notes, twin, io_encodings, planning = self.lowered.pop(index)
-            shard = finish(edge, notes, planning)
-            measured = self.measure(twin or shard.buffer, index, io_names[index], io_encodings)
-            results[index] = (shard, own_bytes, measured, io_encodings)
-        summary = {
-            "build_id": host.build_id,
-            "libraries": host.source,
-            "spill_fill_bytes": shared,
-            "calibration_seconds": self.calibration_seconds,
-        }
-        return results, summary
+def lower_qnn_shard(
+    module, examples: dict, names: dict, options: dict, calls: list, stream: list | None, max_seq_len: int
+) -> QnnLowered:
+    """One QNN shard, from its float module to its .pte: calibrated (quantized precisions) on the
+    calls of a calibration run, its input for each being `stream` (the float model's output of the
+    shard before it; None for the embedding's shard), lowered, and measured on the held-out calls.
 
-    def measure(
-        self, buffer: bytes, index: int, names: dict[str, tuple], io_encodings: dict
-    ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-        """(method -> output name -> SQNR in dB, method -> SQNR of the main output's worst token)
-        of the lowered shard (its .pte bytes) against the float shard, native I/O converted as the
-        runners convert it. A trained model's residual stream holds single values of ~25,000 on its
-        first token, which dominate a whole tensor's SQNR: the worst token shows the rest."""
-        program = Runtime.get().load_program(buffer)
-        result, worst = {}, {}
-        for method in names:  # decode, then prefill, as the manifest lists methods
-            inputs = self.held_out[index][method]
-            encodings = io_encodings.get(method) or {}
-            input_names, output_names = names[method]
-            fed = [convert(t, None, encodings.get(("in", name))) for name, t in zip(input_names, inputs)]
-            actual = program.load_method(method).execute(fed)
-            actual = [convert(t, encodings.get(("out", name)), None) for name, t in zip(output_names, actual)]
-            with torch.no_grad():
-                expected = self.modules[index](*inputs)
-            result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected, actual)}
-            main_expected, main_actual = expected[0][0], actual[0][0]  # [T, dim or vocab]
-            worst[method] = round(min(sqnr_db(e, a) for e, a in zip(main_expected, main_actual)), 2)
-        return result, worst
+    Quantized native I/O: each layer's cache gets one range (input and new-entry output, every
+    method), and the hidden state out of the shard the range of the float shard's own output on
+    the calibration calls, which is exactly the range the next shard observes on its input: two
+    adjacent QNN shards meet without a conversion, and neither needs the other to be calibrated."""
+    methods = {method: inputs[0].shape[1] for method, inputs in examples.items()}
+    positions = max_seq_len + max(methods.values())
+    job = QnnShardLowering(module, examples, names, options, positions)
+    started = time.perf_counter()
+    held_out: dict[str, tuple] = {}
+    outputs_range: dict[str, tuple[float, float]] = {}
+
+    def observe(call, inputs):
+        if call.held_out:
+            held_out.setdefault(call.method, tuple(t.clone() for t in inputs))
+        elif job.quantized:
+            job.observe(call.method, inputs)
+
+    outputs = replay(module, calls, stream, methods, max_seq_len, observe, keep_outputs=job.quantized)
+    if job.quantized:
+        for call, output in zip(calls, outputs):
+            if not call.held_out and not module.spec.has_head:
+                low, high = outputs_range.get(call.method, (float("inf"), float("-inf")))
+                outputs_range[call.method] = (min(low, float(output.min())), max(high, float(output.max())))
+        job.share_io_ranges(outputs_range)
+    stages = {"calibrate": time.perf_counter() - started} if job.quantized else {}
+    started = time.perf_counter()
+    edge, notes, twin = job.lower()
+    own = own_spill_fill(edge)
+    shard = finish(edge, notes, job.planning())
+    stages["lower"] = time.perf_counter() - started
+    started = time.perf_counter()
+    sqnr, worst = measure(twin or shard.buffer, module, held_out, names, job.io_encodings)
+    stages["measure"] = time.perf_counter() - started
+    return QnnLowered(shard, own, sqnr, worst, job.io_encodings, stages)
+
+
+def measure(
+    buffer: bytes, module, held_out: dict[str, tuple], names: dict[str, tuple], io_encodings: dict
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """(method -> output name -> SQNR in dB, method -> SQNR of the main output's worst token)
+    of the lowered shard (its .pte bytes) against the float shard on the held-out inputs, native
+    I/O converted as the runners convert it. A trained model's residual stream holds single values
+    of ~25,000 on its first token, which dominate a whole tensor's SQNR: the worst token shows the
+    rest."""
+    program = Runtime.get().load_program(buffer)
+    result, worst = {}, {}
+    for method in names:  # decode, then prefill, as the manifest lists methods
+        inputs = held_out[method]
+        encodings = io_encodings.get(method) or {}
+        input_names, output_names = names[method]
+        fed = [convert(t, None, encodings.get(("in", name))) for name, t in zip(input_names, inputs)]
+        actual = program.load_method(method).execute(fed)
+        actual = [convert(t, encodings.get(("out", name)), None) for name, t in zip(output_names, actual)]
+        with torch.no_grad():
+            expected = module(*inputs)
+        result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected, actual)}
+        main_expected, main_actual = expected[0][0], actual[0][0]  # [T, dim or vocab]
+        worst[method] = round(min(sqnr_db(e, a) for e, a in zip(main_expected, main_actual)), 2)
+    return result, worst

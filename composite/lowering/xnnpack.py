@@ -127,7 +127,8 @@ class KernelAttention(nn.Module):
 def xnnpack_form(module: nn.Module, attention: str = "graph") -> nn.Module:
     """A copy of `module` with XNNPACK-friendly norms and, with attention "kernel", our attention
     operator; parameters are shared, not copied."""
-    module = copy.deepcopy(module, memo={id(p): p for p in module.parameters()})
+    shared = [*module.parameters(), *module.buffers()]
+    module = copy.deepcopy(module, memo={id(t): t for t in shared})
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
@@ -154,17 +155,21 @@ def half_form(form: nn.Module, has_head: bool) -> nn.Module:
     return half
 
 
-def quantize_linears(module: torch.nn.Module, options: dict) -> tuple[torch.nn.Module, list[str]]:
+def quantize_linears(
+    module: torch.nn.Module, options: dict, in_place: bool = False
+) -> tuple[torch.nn.Module, list[str]]:
     """A copy with 8-bit dynamically quantized activations and int4 (8da4w, grouped by group_size,
     0 = per channel) or int8 (8da8w, per channel) weights; the head (`output`) as head_quantize
-    says; scales as weight_mapping says. The caller's module keeps its float weights.
+    says; scales as weight_mapping says. The caller's module keeps its float weights, unless
+    in_place (each float weight is then let go as its linear is quantized).
     options: an XNNPACK placement's (composite/config.py). -> (module, notes on what was skipped)."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_primitives import MappingType
 
     mapping = MappingType[options["weight_mapping"].upper()]
-    module = copy.deepcopy(module)
+    if not in_place:
+        module = copy.deepcopy(module)
     skipped = []
 
     def config(scheme: str) -> tuple[Int8DynamicActivationIntxWeightConfig, int]:
@@ -204,20 +209,20 @@ def quantize_linears(module: torch.nn.Module, options: dict) -> tuple[torch.nn.M
     return module, notes
 
 
-def lower(module, example_inputs: dict, names: dict, options: dict):
+def lower(module, example_inputs: dict, names: dict, options: dict, consume: bool = False):
     """-> (EdgeProgramManager, notes, method -> ("in" | "out", name) -> Encoding of the native I/O
-    that is not float32). names: method -> (input names, output names).
+    that is not float32). names: method -> (input names, output names). consume: `module` is the
+    caller's to give up (its float weights are quantized in place, not copied first).
 
     With attention "kernel", the one-token method (decode) calls composite::attention; wider
     methods (prefill) keep the graph's batched matmuls, which XNNPACK runs faster over many rows.
-    Both forms hold the same weights, which the program stores once."""
+    Both forms hold the same (quantized) weights, which the program stores once."""
+    notes = []
+    if options.get("quantize", "none") != "none":
+        module, notes = quantize_linears(module, options, in_place=consume)
     forms = {"graph": xnnpack_form(module, "graph")}
     if options.get("attention") == "kernel":
         forms["kernel"] = xnnpack_form(module, "kernel")
-    notes = []
-    if options.get("quantize", "none") != "none":
-        for name in forms:
-            forms[name], notes = quantize_linears(forms[name], options)
     encodings: dict[str, dict] = {method: {} for method in example_inputs}
     if options.get("dtype") == "fp16":
         has_head = next(iter(names.values()))[1][0] == "logits"

@@ -1,67 +1,53 @@
-"""Load weights into `Transformer` from a Meta checkpoint, a Hugging Face folder, or the embedded
-default, and say clearly when they do not fit the hyper-parameters."""
+"""Open a Meta checkpoint, a Hugging Face folder, a llama GGUF file or the embedded default: its
+hyper-parameters, and its tensors as a lazy source (model/weights.py) checked against them, saying
+clearly when they do not fit. Nothing is read into memory until a part of the model is asked for."""
 
 from __future__ import annotations
 
-import pickle
 import sys
-import zipfile
 from pathlib import Path
-
-import torch
 
 from composite.errors import UserError
 from composite.model.default import load_default
 from composite.model.gguf_file import read_gguf
-from composite.model.llama import Transformer
-from composite.model.loaded import LoadedModel
+from composite.model.llama import ModelArgs
+from composite.model.loaded import LoadedModel, expected_shapes
 from composite.model.params import args_from_hf_config, args_from_meta_params, read_json
+from composite.model.weights import (
+    SafetensorsWeights,
+    TorchFileWeights,
+    WeightSource,
+    load_torch_file,
+    state_dict_of,
+)
 
 # Keys found in real checkpoints that carry no weights we need.
 IGNORED_KEYS = ("rope.freqs",)
 
 
-def meta_to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k rows from Meta's interleaved rotary pairs to the rotate-half layout."""
-    rows, cols = weight.shape
-    head_dim = rows // n_heads
-    return weight.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _torch_load(path: Path) -> dict:
-    try:
-        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"checkpoint {path} does not exist") from None
-    except PermissionError:
-        raise UserError(f"checkpoint {path} is not readable (permission denied)") from None
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint: {first_line}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"checkpoint {path} does not hold a state dict")
-    return data
-
-
-def _fit_state_dict(model: Transformer, weights: dict[str, torch.Tensor], source: str, params_source: str) -> None:
-    """Copy `weights` into `model`, or fail naming the first tensor that does not fit."""
-    expected = model.state_dict()
-    if model.args.tie_embeddings:
-        expected.pop("output.weight", None)
-    for key in IGNORED_KEYS:
-        weights.pop(key, None)
-    for key, tensor in expected.items():
-        if key not in weights:
+def check_shapes(args: ModelArgs, weights: WeightSource, params_source: str) -> None:
+    """Every tensor `args` implies is in `weights` with its shape, and nothing else is; or one
+    line naming the first that does not fit."""
+    source = weights.where
+    expected = expected_shapes(args)
+    for key, shape in expected.items():
+        if key not in weights.shapes:
             raise UserError(f"{source} has no tensor '{key}' that {params_source} implies")
-        got = tuple(weights[key].shape)
-        if got != tuple(tensor.shape):
-            raise UserError(f"{source}: '{key}' has shape {list(got)} but {params_source} implies {list(tensor.shape)}")
-    unexpected = sorted(set(weights) - set(expected))
+        got = tuple(weights.shapes[key])
+        if got != tuple(shape):
+            raise UserError(f"{source}: '{key}' has shape {list(got)} but {params_source} implies {list(shape)}")
+    unexpected = sorted(set(weights.shapes) - set(expected))
     if unexpected:
         raise UserError(f"{source} has tensors that {params_source} does not describe, e.g. '{unexpected[0]}'")
-    with torch.no_grad():
-        for key, tensor in expected.items():
-            tensor.copy_(weights[key].to(torch.float32))
+
+
+def permute_qk(args: ModelArgs, weights: WeightSource) -> None:
+    """Meta and GGUF files keep q/k rows in interleaved rotary pairs: read them as rotate-half."""
+    for i in range(args.n_layers):
+        for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
+            key = f"layers.{i}.attention.{name}.weight"
+            if key in weights.shapes and weights.shapes[key][0] == heads * args.head_dim:
+                weights.permuted[key] = heads
 
 
 def load_meta(checkpoint: Path, params_path: Path | None) -> LoadedModel:
@@ -74,12 +60,13 @@ def load_meta(checkpoint: Path, params_path: Path | None) -> LoadedModel:
         checkpoint = files[0]
     if not checkpoint.exists():
         raise UserError(f"checkpoint {checkpoint} does not exist")
-    data = _torch_load(checkpoint)
+    data = load_torch_file(checkpoint)
     # llama2.c checkpoints (stories*.pt) wrap the weights and carry their own hyper-parameters.
     embedded_params = data.get("model_args") if isinstance(data.get("model_args"), dict) else None
-    weights = data["model"] if isinstance(data.get("model"), dict) else data
-    weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items() if isinstance(v, torch.Tensor)}
-    if not weights:
+    stored = state_dict_of(data)
+    shapes = {k: tuple(v.shape) for k, v in stored.items() if k not in IGNORED_KEYS}
+    del data, stored  # the file's pages go with them; tensors are read again one part at a time
+    if not shapes:
         raise UserError(f"checkpoint {checkpoint} holds no tensors")
     if params_path is None and (checkpoint.parent / "params.json").exists():
         params_path = checkpoint.parent / "params.json"
@@ -89,23 +76,19 @@ def load_meta(checkpoint: Path, params_path: Path | None) -> LoadedModel:
         params, params_source = embedded_params, f"{checkpoint}'s model_args"
     else:
         raise UserError(f"no params.json beside {checkpoint}; pass --params PATH")
-    embedding = weights.get("tok_embeddings.weight")
+    embedding = shapes.get("tok_embeddings.weight")
     # Meta's Llama 3.2 1B/3B checkpoints leave the tied output projection out.
     args = args_from_meta_params(
         params,
         Path(params_source),
-        None if embedding is None else embedding.shape[0],
-        tied="output.weight" not in weights,
+        None if embedding is None else embedding[0],
+        tied="output.weight" not in shapes,
     )
-    for i in range(args.n_layers):
-        for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
-            key = f"layers.{i}.attention.{name}.weight"
-            if key in weights and weights[key].shape[0] == heads * args.head_dim:
-                weights[key] = meta_to_rotate_half(weights[key], heads)
-    model = Transformer(args)
-    _fit_state_dict(model, weights, str(checkpoint), params_source)
+    weights = TorchFileWeights(checkpoint, {name: name for name in shapes}, shapes)
+    permute_qk(args, weights)
+    check_shapes(args, weights, params_source)
     tokenizer = checkpoint.parent / "tokenizer.model"
-    return LoadedModel(model.eval(), "meta", str(checkpoint), tokenizer if tokenizer.exists() else None)
+    return LoadedModel(args, weights, "meta", str(checkpoint), tokenizer if tokenizer.exists() else None)
 
 
 HF_NAMES = {
@@ -159,25 +142,27 @@ def load_hf(folder: Path) -> LoadedModel:
 
     config = read_json(folder / "config.json")
     args = args_from_hf_config(config, folder / "config.json")
-    weights: dict[str, torch.Tensor] = {}
-    from tqdm import tqdm
-
-    for path in tqdm(_safetensors_files(folder), desc="loading weights", unit="file", file=sys.stderr, leave=False):
+    located, shapes = {}, {}
+    for path in _safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    weights[hf_to_meta_name(name)] = f.get_tensor(name)
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    located[hf_to_meta_name(name)] = (path, name)
+                    shapes[hf_to_meta_name(name)] = tuple(f.get_slice(name).get_shape())
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path} is corrupt or unreadable: {e}") from None
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-    model = Transformer(args)
-    _fit_state_dict(model, weights, str(folder), str(folder / "config.json"))
+    weights = SafetensorsWeights(located, shapes, str(folder))
+    check_shapes(args, weights, str(folder / "config.json"))
     tokenizer = None
     for candidate in ("tokenizer.model", "original/tokenizer.model", "tokenizer.json"):
         if (folder / candidate).exists():
             tokenizer = folder / candidate
             break
-    return LoadedModel(model.eval(), "hf", str(folder), tokenizer, config.get("bos_token_id"), stop_ids(folder, config))
+    return LoadedModel(
+        args, weights, "hf", str(folder), tokenizer, config.get("bos_token_id"), stop_ids(folder, config)
+    )
 
 
 def stop_ids(folder: Path, config: dict) -> tuple[int, ...]:
@@ -196,18 +181,12 @@ def stop_ids(folder: Path, config: dict) -> tuple[int, ...]:
 def load_gguf(path: Path) -> LoadedModel:
     """A llama-architecture GGUF file: q/k rows in llama.cpp's layout, which is Meta's."""
     gguf = read_gguf(path)
-    weights = gguf.weights
-    for i in range(gguf.args.n_layers):
-        for name, heads in (("wq", gguf.args.n_heads), ("wk", gguf.args.n_kv_heads)):
-            key = f"layers.{i}.attention.{name}.weight"
-            if key in weights and weights[key].shape[0] == heads * gguf.args.head_dim:
-                weights[key] = meta_to_rotate_half(weights[key], heads)
-    model = Transformer(gguf.args)
-    _fit_state_dict(model, weights, str(path), f"{path}'s metadata")
+    permute_qk(gguf.args, gguf.weights)
+    check_shapes(gguf.args, gguf.weights, f"{path}'s metadata")
     for note in gguf.notes:
         print(f"note: {note}", file=sys.stderr)
     return LoadedModel(
-        model.eval(), "gguf", str(path), gguf.tokenizer_path, gguf.bos_id, gguf.eos_ids, gguf.chat_template
+        gguf.args, gguf.weights, "gguf", str(path), gguf.tokenizer_path, gguf.bos_id, gguf.eos_ids, gguf.chat_template
     )
 
 

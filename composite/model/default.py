@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from composite.model.llama import ModelArgs, Transformer
-from composite.model.loaded import LoadedModel
+from composite.model.loaded import LoadedModel, expected_shapes
+from composite.model.weights import TensorWeights
 from composite.tokenizer import train_sentencepiece
 
 DEFAULT_ARGS = ModelArgs(
@@ -48,4 +49,7 @@ def load_default() -> LoadedModel:
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     tokenizer = folder / "tokenizer.model"
     tokenizer.write_bytes(train_sentencepiece(corpus_text(), DEFAULT_ARGS.vocab_size))
-    return LoadedModel(default_model(), "embedded", None, tokenizer)
+    model = default_model()
+    stored = expected_shapes(model.args)
+    weights = TensorWeights({k: v for k, v in model.state_dict().items() if k in stored}, "the embedded default")
+    return LoadedModel(model.args, weights, "embedded", None, tokenizer, built=model)

@@ -25,6 +25,7 @@ import torch
 
 from composite.errors import UserError
 from composite.model.llama import ModelArgs
+from composite.model.weights import GgufWeights
 
 ARCHITECTURE = "llama"
 
@@ -71,7 +72,7 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 @dataclass
 class GgufCheckpoint:
     args: ModelArgs
-    weights: dict[str, torch.Tensor]  # Meta names; q/k rows interleaved as Meta's
+    weights: GgufWeights  # Meta names; q/k rows interleaved as Meta's until model/checkpoint.py says
     tokenizer_path: Path | None
     bos_id: int | None
     eos_ids: tuple[int, ...]
@@ -140,8 +141,8 @@ def read_gguf(path: Path) -> GgufCheckpoint:
     architecture = meta.require("general.architecture")
     if architecture != ARCHITECTURE:
         raise UserError(f"GGUF file {path} holds a '{architecture}' model; only the llama architecture is supported")
-    weights, rope_factors, types = dequantized_weights(reader, path)
-    args = model_args(meta, weights, rope_factors)
+    weights, rope_factors, types = tensor_index(reader, path)
+    args = model_args(meta, weights.shapes, rope_factors)
     described = ", ".join(f"{name} {count}" for name, count in types.most_common())
     notes = []
     quantized = {t for t in types if t not in ("F32", "F16", "BF16", "F64")}
@@ -156,24 +157,33 @@ def read_gguf(path: Path) -> GgufCheckpoint:
     return GgufCheckpoint(args, weights, tokenizer_path, bos_id, eos_ids, chat_template, notes)
 
 
-def dequantized_weights(reader, path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, Counter]:
+def tensor_index(reader, path: Path) -> tuple[GgufWeights, torch.Tensor | None, Counter]:
+    """The file's tensors by Meta name, to be read when asked for; the rotary factors (a few
+    values) read now. A tensor type the gguf package cannot dequantize is refused here, before
+    any long work: one row of the first tensor of each type is dequantized to find out."""
     from gguf.quants import dequantize
 
-    weights: dict[str, torch.Tensor] = {}
+    located, shapes = {}, {}
     rope_factors = None
     types: Counter = Counter()
+    tried = set()
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        try:
-            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        except NotImplementedError:
-            raise UserError(
-                f"GGUF file {path}: tensor '{tensor.name}' has type {kind}, which the gguf package cannot dequantize"
-            ) from None
-        except ValueError as e:
-            raise UserError(f"GGUF file {path} is truncated or corrupt: tensor '{tensor.name}': {e}") from None
+        if kind not in tried:
+            tried.add(kind)
+            try:
+                dequantize(np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1])[:1], tensor.tensor_type)
+            except NotImplementedError:
+                raise UserError(
+                    f"GGUF file {path}: tensor '{tensor.name}' has type {kind}, which the gguf package cannot "
+                    "dequantize"
+                ) from None
+            except ValueError as e:
+                raise UserError(f"GGUF file {path} is truncated or corrupt: tensor '{tensor.name}': {e}") from None
         types[kind] += 1
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         if tensor.name == ROPE_FACTORS:
+            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             rope_factors = torch.from_numpy(values.copy()).flatten()
             continue
         name = meta_tensor_name(tensor.name)
@@ -182,8 +192,15 @@ def dequantized_weights(reader, path: Path) -> tuple[dict[str, torch.Tensor], to
                 f"GGUF file {path} has tensor '{tensor.name}', which a llama model of this tool does not have "
                 "(biases, experts and other extras are not supported)"
             )
-        weights[name] = torch.from_numpy(values.copy())
-    return weights, rope_factors, types
+        located[name] = (
+            int(tensor.data_offset),
+            int(tensor.n_bytes),
+            tensor.data.dtype,
+            tensor.data.shape,
+            tensor.tensor_type,
+        )
+        shapes[name] = shape
+    return GgufWeights(path, located, shapes), rope_factors, types
 
 
 def _positive_int(meta: Metadata, key: str, value) -> int:
@@ -198,7 +215,7 @@ def _positive_int(meta: Metadata, key: str, value) -> int:
     return int(value)
 
 
-def model_args(meta: Metadata, weights: dict[str, torch.Tensor], rope_factors: torch.Tensor | None) -> ModelArgs:
+def model_args(meta: Metadata, shapes: dict[str, tuple], rope_factors: torch.Tensor | None) -> ModelArgs:
     def number(key: str, default=None):
         value = meta.get(f"{ARCHITECTURE}.{key}", default)
         if value is None:
@@ -222,11 +239,11 @@ def model_args(meta: Metadata, weights: dict[str, torch.Tensor], rope_factors: t
             f"GGUF file {meta.path}: rotary embeddings cover {rotary} of {head_dim} head dimensions; "
             "only full rotary embeddings are supported"
         )
-    embedding = weights.get("tok_embeddings.weight")
+    embedding = shapes.get("tok_embeddings.weight")
     vocab = meta.get(f"{ARCHITECTURE}.vocab_size")
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens else (embedding.shape[0] if embedding is not None else None)
+        vocab = len(tokens) if tokens else (embedding[0] if embedding is not None else None)
     scaling = None
     scaling_type = meta.get(f"{ARCHITECTURE}.rope.scaling.type", "none")
     if scaling_type == "linear":
@@ -253,7 +270,7 @@ def model_args(meta: Metadata, weights: dict[str, torch.Tensor], rope_factors: t
         norm_eps=float(number("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(number("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        tie_embeddings="output.weight" not in weights,
+        tie_embeddings="output.weight" not in shapes,
     )
 
 

@@ -31,6 +31,7 @@ import io
 import torch
 
 from composite.model.llama import KroneckerRotation, RMSNorm, Transformer
+from composite.model.loaded import is_materialized
 
 SEED = 0
 
@@ -66,10 +67,13 @@ def _writes(linear: torch.nn.Linear, rotation: torch.Tensor) -> None:
 @torch.no_grad()
 def rotate_residual(model: Transformer, seed: int = SEED) -> None:
     """Rotates `model`'s residual stream in place (see the module's docstring). A tied head gets
-    its own matrix: it reads the final norm's weight folded in, the embedding does not."""
+    its own matrix: it reads the final norm's weight folded in, the embedding does not. Parts on
+    the meta device (a model read one shard at a time: model/loaded.py) are left as they are;
+    each part is rotated alone, so a part rotated here is the same part of the whole model rotated."""
     rotation = rotation_matrix(model.args.dim, seed)
-    model.output.weight = torch.nn.Parameter(model.output.weight.data.clone())
     for layer in model.layers:
+        if not is_materialized(layer):
+            continue
         attention, feed_forward = layer.attention, layer.feed_forward
         _fold_norm(layer.attention_norm, [attention.wq, attention.wk, attention.wv])
         _fold_norm(layer.ffn_norm, [feed_forward.w1, feed_forward.w3])
@@ -77,9 +81,12 @@ def rotate_residual(model: Transformer, seed: int = SEED) -> None:
             _reads(linear, rotation)
         _writes(attention.wo, rotation)
         _writes(feed_forward.w2, rotation)
-    _fold_norm(model.norm, [model.output])
-    _reads(model.tok_embeddings, rotation)
-    _reads(model.output, rotation)
+    if is_materialized(model.output):
+        model.output.weight = torch.nn.Parameter(model.output.weight.data.clone())
+        _fold_norm(model.norm, [model.output])
+        _reads(model.output, rotation)
+    if is_materialized(model.tok_embeddings):
+        _reads(model.tok_embeddings, rotation)
 
 
 def hidden_rotation_sizes(hidden_dim: int) -> tuple[int, int]:
@@ -105,6 +112,8 @@ def rotate_hidden(model: Transformer, seed: int = SEED) -> None:
     rotation = hidden_rotation(model.args.hidden_dim, seed)
     dense = torch.kron(rotation.across_t.T.double(), rotation.within_t.T.double())
     for layer in model.layers:
+        if not is_materialized(layer):
+            continue
         feed_forward = layer.feed_forward
         feed_forward.w2.weight.data = (feed_forward.w2.weight.data.double() @ dense).float()
         feed_forward.hidden_rotation = KroneckerRotation(rotation.across_t.T.clone(), rotation.within_t.T.clone())

@@ -83,6 +83,7 @@ class ShardModule(nn.Module):
     def __init__(self, model: Transformer, spec: ShardSpec):
         super().__init__()
         self.spec = spec
+        self.args = model.args
         self.tok_embeddings = model.tok_embeddings if spec.has_embedding else None
         # Keyed by the model's layer index, so module paths ("layers.7.attention.wo") are the same
         # in every shard as in the checkpoint.

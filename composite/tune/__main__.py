@@ -44,8 +44,8 @@ from composite.config import ROTATIONS, build_config
 from composite.errors import UserError, exits_cleanly
 from composite.eval.__main__ import read_text
 from composite.eval.scoring import SCORE_MODES
+from composite.executor.fork import ForkedCall, split_work
 from composite.export import bos_id, versions
-from composite.lowering.worker import ForkedWorker, split_work
 from composite.manifest import sha256_file
 from composite.model.checkpoint import load_checkpoint
 from composite.model.rotation import rotate
@@ -241,11 +241,11 @@ def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cach
     if mine and theirs:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # one core each (the worker sets its own)
-        worker = ForkedWorker(lambda _: measure(sens, [(g, c) for g, c in todo if g.index in theirs]), [0])
+        worker = ForkedCall(measure, (sens, [(g, c) for g, c in todo if g.index in theirs]))
     try:
         results = measure(sens, [(g, c) for g, c in todo if worker is None or g.index in mine])
         if worker is not None:
-            results.update(worker.join()[0])
+            results.update(worker.result())
             worker = None
             torch.set_num_threads(threads)
     finally:
@@ -598,7 +598,7 @@ def report(result: dict, budget_mb: float) -> None:
 def terminated(signum, _frame):
     """A terminated tuner ends its measuring worker too (an exception raised here could land where
     Python ignores it)."""
-    ForkedWorker.kill_all()
+    ForkedCall.kill_all()
     os._exit(128 + signum)
 
 

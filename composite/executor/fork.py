@@ -1,0 +1,123 @@
+"""A call in a forked child process: the local way to run a task on another core.
+
+The child is a fork of the caller, so it sees the caller's memory (a task's inputs) without a copy.
+It runs one torch thread: an OpenMP pool the parent already started does not survive a fork (a
+child's first parallel op would hang). Its result comes back pickled through a pipe; an error in
+it comes back as the error of the call; a child that dies (killed by the out-of-memory killer,
+say) is reported as such (ProcessDied), with how it died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import traceback
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from composite.errors import UserError
+
+
+class ProcessDied(Exception):
+    """A forked call's process ended without a result."""
+
+    def __init__(self, pid: int, status: int):
+        self.pid, self.status = pid, status
+        if os.WIFSIGNALED(status):
+            number = os.WTERMSIG(status)
+            how = f"killed by signal {number} ({signal.Signals(number).name})"
+            if number == signal.SIGKILL:
+                how += ", most likely by the out-of-memory killer"
+        else:
+            how = f"exited with status {os.WEXITSTATUS(status)} before sending its result"
+        self.how = how
+        super().__init__(f"process {pid} {how}")
+
+
+class ForkedCall:
+    """fn(*args) in a forked child; result() -> its return value (or its exception)."""
+
+    running: ClassVar[set[int]] = set()  # child pids, for kill_all
+
+    @classmethod
+    def kill_all(cls) -> None:
+        for pid in list(cls.running):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def __init__(self, fn: Callable, args: tuple = ()):
+        read, write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: do the work, report, and leave without running any cleanup
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the export's handler would remove its folder
+            os.close(read)
+            try:
+                torch.set_num_threads(1)
+                payload = ("ok", fn(*args))
+            except UserError as e:
+                payload = ("user_error", str(e))
+            except BaseException as e:
+                payload = ("error", "".join(traceback.format_exception(e)))
+            try:
+                with os.fdopen(write, "wb") as out:
+                    pickle.dump(payload, out, protocol=pickle.HIGHEST_PROTOCOL)
+            finally:
+                os._exit(0)
+        ForkedCall.running.add(self.pid)
+        os.close(write)
+        self.pipe = os.fdopen(read, "rb")
+
+    def fileno(self) -> int:
+        """Readable once the child is done (multiprocessing.connection.wait takes it)."""
+        return self.pipe.fileno()
+
+    def result(self):
+        try:
+            status, value = pickle.load(self.pipe)
+        except EOFError:
+            status, value = "died", None
+        except BaseException:  # e.g. SIGTERM while waiting: end the child now, not when it is done
+            self.stop()
+            raise
+        self.pipe.close()
+        _, exit_status = os.waitpid(self.pid, 0)
+        ForkedCall.running.discard(self.pid)
+        pid, self.pid = self.pid, None
+        if status == "died":
+            raise ProcessDied(pid, exit_status)
+        if status == "user_error":
+            raise UserError(value)
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def stop(self) -> None:
+        """End the child early (the caller failed or was stopped); once is enough."""
+        if self.pid is None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ChildProcessError, ProcessLookupError):
+            pass
+        ForkedCall.running.discard(self.pid)
+        self.pid = None
+        self.pipe.close()
+
+
+def split_work(weights: dict[int, float], my_load: float = 0.0) -> tuple[list[int], list[int]]:
+    """(for this process, for the other): items go, heaviest first, to whichever side has less
+    work so far (this process starting with `my_load`), so the two finish together."""
+    mine, theirs, their_load = [], [], 0.0
+    for index, weight in sorted(weights.items(), key=lambda item: -item[1]):
+        if their_load <= my_load:
+            theirs.append(index)
+            their_load += weight
+        else:
+            mine.append(index)
+            my_load += weight
+    return sorted(mine), sorted(theirs)

@@ -1,0 +1,92 @@
+"""What an export prints when it is done: a row per shard, where the time and the memory went."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from composite.config import Placement
+from composite.memory import Stopwatch, gb
+
+
+def format_sqnr(db: float | None) -> str:
+    return "exact" if db is None or db == float("inf") else f"{db:.1f}"
+
+
+def layers_text(shard: dict) -> str:
+    first, end = shard["layers"]
+    parts = (
+        (["emb"] if shard["has_embedding"] else [])
+        + ([f"L{first}" if end - first == 1 else f"L{first}-L{end - 1}"] if end > first else [])
+        + (["head"] if shard["has_head"] else [])
+    )
+    return " ".join(parts)
+
+
+def print_summary(
+    shards: list[dict],
+    runs: dict[int, dict],
+    watch: Stopwatch,
+    peak_bytes: int | None,
+    total_seconds: float,
+    output: Path,
+    qnn_summary: dict | None,
+) -> None:
+    """One row per shard. seconds: the shard's lowering job, start to result; peak: the summed PSS
+    of the process that lowered it, at its highest. cache: "hit" (taken from the shard cache),
+    "stored" (lowered and put there) or "off". SQNR (dB, against the float shard on a held-out
+    input) is given for the shard's main output per method, decode/prefill, over the whole output
+    and for its worst token; the manifest has the first for every output."""
+    rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "peak", "cache", "SQNR dB", "worst token")]
+    for s in shards:
+        run = runs.get(s["index"], {})
+        backend = Placement(s["placement"]["backend"], s["placement"]["options"]).describe()
+        sqnr = (
+            "/".join(format_sqnr(next(iter(per_output.values()))) for per_output in s["sqnr_db"].values())
+            if "sqnr_db" in s
+            else "-"
+        )
+        worst = (
+            "/".join(format_sqnr(v) for v in s["sqnr_worst_token_db"].values()) if "sqnr_worst_token_db" in s else "-"
+        )
+        rows.append(
+            (
+                str(s["index"]),
+                layers_text(s),
+                backend,
+                ",".join(s["backends"]) or "none",
+                f"{s['size'] / 1e6:.2f} MB",
+                f"{run['seconds']:.1f}" if run else "-",
+                gb(run["peak_bytes"]) if run.get("peak_bytes") else "-",
+                s.get("cache", "-"),
+                sqnr,
+                worst,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for s in shards:
+        for note in s["notes"]:
+            print(f"note: shard {s['index']}: {note}")
+    stages: dict[str, float] = {}
+    for run in runs.values():
+        for name, seconds in run["stages"].items():
+            stages[name] = stages.get(name, 0.0) + seconds
+    if stages:
+        print(
+            "lowering jobs' time by stage (summed over shards): "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items())
+        )
+    print("export's wall time by stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in watch.seconds.items()))
+    if qnn_summary is not None:
+        print(
+            f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
+            f"{qnn_summary['spill_fill_bytes']} bytes"
+        )
+    total = sum(s["size"] for s in shards)
+    hits = sum(s.get("cache") == "hit" for s in shards)
+    reused = f" ({hits} of them from the cache)" if hits else ""
+    print(
+        f"{len(shards)} shards{reused}, {total / 1e6:.2f} MB, {total_seconds:.1f} s, peak memory {gb(peak_bytes)} "
+        f"(summed PSS of the export's processes) -> {output}"
+    )

@@ -1,0 +1,110 @@
+"""The jobs of an export's lowering, in the order they should start.
+
+Every shard that is not in the shard cache gets a lowering job. A QNN shard is calibrated with the
+inputs the float model gives it, so the float shards before it run first, one job each, each over
+the calibration run with the previous one's outputs (`float_task`): the chain is the export's
+critical path, so its jobs come first, then the QNN lowerings that wait on it, then the rest.
+QNN shards calibrated with different settings (calibration text, samples) get a chain each.
+"""
+
+from __future__ import annotations
+
+import json
+
+from composite.executor import Job, Result
+from composite.lowering.calibration import calibration_calls, effective_options
+from composite.lowering.task import ShardWork, float_task, lower_task
+from composite.manifest import DECODE, PREFILL
+
+MB = 1 << 20
+# A worker process before it reads any weights: torch, ExecuTorch and the backends imported (a
+# fork shares most of these pages with the export's process).
+PROCESS_BYTES = 600 * MB
+
+
+def part_bytes(args, spec) -> int:
+    """float32 bytes of the weights one shard reads (a tied head reads the embedding's table)."""
+    from composite.split.plan import unit_bytes
+
+    units = unit_bytes(args)  # [embedding, layer 0 .. layer L-1, head]
+    return units[0] * spec.has_embedding + sum(units[1 + layer] for layer in spec.layers) + units[-1] * spec.has_head
+
+
+def expected_bytes(work: ShardWork, lowering: bool) -> int:
+    """A task's expected peak: its float weights, and for a lowering the copies lowering makes
+    (measured: an XNNPACK 8da4w shard of a Llama-3.2-1B shape peaks near 2x its float bytes; a
+    QNN shard holds its float module, prepared graphs and two compiled contexts, near 3x)."""
+    weights = part_bytes(work.args, work.spec)
+    if not lowering:
+        factor = 1.2
+    elif work.placement.backend == "qnn":
+        factor = 3.0
+    else:
+        factor = 2.0
+    return PROCESS_BYTES + int(weights * factor)
+
+
+def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing: list[int]) -> list[Job]:
+    """Jobs that lower the shards in `missing` (indices), with the float chains their QNN shards need."""
+    methods = {DECODE: 1, PREFILL: config.prefill_len}
+
+    def work(index: int, **extra) -> ShardWork:
+        return ShardWork(
+            specs[index],
+            placements[index],
+            loaded.args,
+            loaded.weights,
+            config.rotation(),
+            config.max_seq_len,
+            config.prefill_len,
+            config.embedding_bits_and_group(),
+            specs[-1].index,
+            **extra,
+        )
+
+    chains: dict[str, list[int]] = {}
+    for index in missing:
+        if placements[index].backend == "qnn":
+            chains.setdefault(json.dumps(effective_options(placements, index), sort_keys=True), []).append(index)
+    float_jobs, qnn_jobs, other_jobs = [], [], []
+    for number, (key, indices) in enumerate(chains.items()):
+        options = json.loads(key)
+        calls = calibration_calls(options, tokenizer, loaded.args.vocab_size, methods, config.max_seq_len, bos_id)
+        chain = f" (calibration {number + 1})" if len(chains) > 1 else ""
+        for index in range(max(indices)):
+            stream = (Result(f"float shard {index - 1}{chain}"),) if index else ()
+            shard_work = work(index, calls=calls)
+            float_jobs.append(
+                Job(
+                    f"float shard {index}{chain}",
+                    float_task,
+                    (shard_work, *stream),
+                    expected_bytes(shard_work, lowering=False),
+                    f"the float pass of shard {index}",
+                )
+            )
+        for index in indices:
+            stream = (Result(f"float shard {index - 1}{chain}"),) if index else ()
+            shard_work = work(index, calls=calls)
+            qnn_jobs.append(
+                Job(
+                    f"lower shard {index}",
+                    lower_task,
+                    (shard_work, *stream),
+                    expected_bytes(shard_work, True),
+                    f"shard {index}",
+                )
+            )
+    for index in missing:
+        if placements[index].backend != "qnn":
+            shard_work = work(index)
+            other_jobs.append(
+                Job(
+                    f"lower shard {index}",
+                    lower_task,
+                    (shard_work,),
+                    expected_bytes(shard_work, True),
+                    f"shard {index}",
+                )
+            )
+    return float_jobs + qnn_jobs + other_jobs

@@ -1,0 +1,128 @@
+"""How much memory a run holds: the summed PSS of a process and all its descendants, sampled.
+
+PSS (proportional set size, `Pss:` in /proc/PID/smaps_rollup) counts each page once across the
+processes that share it, so the sum over a process tree is what the run costs the machine; RSS
+would count every page a fork shares once per process. Linux only; elsewhere the figures are None.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def pss_bytes(pid: int) -> int | None:
+    try:
+        for line in (PROC / str(pid) / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def descendants(root: int) -> list[int]:
+    """root and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after its last ')'
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure in bytes (MemTotal, MemAvailable, ...)."""
+    try:
+        for line in (PROC / "meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def gb(value: int | None) -> str:
+    return "?" if value is None else f"{value / 1e9:.2f} GB"
+
+
+class PeakMemory:
+    """Samples the summed PSS of this process's tree every `interval` seconds while in use
+    (`with PeakMemory() as memory: ...; memory.peak`); also each process's own peak, so that the
+    work a process did can be told its share (`peak_of(pid)`)."""
+
+    def __init__(self, interval: float = 0.25, root: int | None = None):
+        self.interval, self.root = interval, root or os.getpid()
+        self.peak: int | None = None
+        self.per_process: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def sample(self) -> int | None:
+        total, seen = 0, False
+        for pid in descendants(self.root):
+            pss = pss_bytes(pid)
+            if pss is None:
+                continue
+            seen = True
+            total += pss
+            with self._lock:
+                self.per_process[pid] = max(self.per_process.get(pid, 0), pss)
+        if not seen:
+            return None
+        with self._lock:
+            self.peak = max(self.peak or 0, total)
+        return total
+
+    def peak_of(self, pid: int) -> int | None:
+        with self._lock:
+            return self.per_process.get(pid)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="composite-peak-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
+
+
+class Stopwatch:
+    """Wall seconds per named stage of a run, in the order they first ran."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
