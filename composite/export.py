@@ -36,10 +36,10 @@ from composite.executor.fork import ForkedCall
 from composite.executor.local import LocalExecutor, default_workers
 from composite.export_report import print_summary
 from composite.lowering import embedding
-from composite.lowering.jobs import lowering_jobs
+from composite.lowering.jobs import lowering_jobs, shard_file
 from composite.lowering.qnn import settle_spill_fill
 from composite.lowering.task import ShardLowered, lower_task
-from composite.memory import PeakMemory, Stopwatch, gb, meminfo
+from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
 from composite.model.loaded import LoadedModel
@@ -154,7 +154,9 @@ def lower_all(
         if hit is not None:
             entries[spec.index] = {"index": spec.index, "file": shard_file(spec), **hit, "cache": "hit"}
     missing = [spec.index for spec in specs if spec.index not in entries]
-    jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing)
+    executor = executor or LocalExecutor(default_workers())
+    write_to = folder if executor.shares_files else None
+    jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing, write_to)
     runs: dict[int, dict] = {}
     lowered = [job for job in jobs if job.fn is lower_task]
     progress = tqdm(total=len(lowered), desc="lowering shards", unit="shard", file=sys.stderr, disable=not lowered)
@@ -165,7 +167,8 @@ def lower_all(
         result: ShardLowered = finished.result
         spec, placement = specs[result.index], placements[result.index]
         path = folder / shard_file(spec)
-        path.write_bytes(result.shard.buffer)
+        if result.shard.buffer:  # a job that does not share this disk sends the bytes
+            path.write_bytes(result.shard.buffer)
         entry = manifest_schema.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
         entries[spec.index] = {**entry, **result.qnn}
         store(cache, keys, entries[spec.index], folder)
@@ -177,7 +180,6 @@ def lower_all(
         }
         progress.update()
 
-    executor = executor or LocalExecutor(default_workers())
     try:
         with watch.stage("lowering"):
             executor.run(jobs, done)
@@ -197,10 +199,6 @@ def lower_all(
         "calibration_seconds": round(sum(calibration), 2) if calibration else None,
     }
     return shards, summary, runs
-
-
-def shard_file(spec: ShardSpec) -> str:
-    return f"shard_{spec.index:02d}.pte"
 
 
 def store(cache: ShardCache | None, keys: dict, entry: dict, folder: Path) -> None:
@@ -278,6 +276,7 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None, executor=N
         Tokenizer(Path(config.tokenizer))  # refuse a bad tokenizer before the weights load
     if config.chat_template:
         chat_template.read_template_file(Path(config.chat_template))
+    give_back_freed_memory()
     with PeakMemory() as memory:
         folder = staging.make_staging(output)
         try:
@@ -310,7 +309,8 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None, executor=N
                     f"(this machine has {gb(meminfo('MemTotal'))}); nothing was written"
                 ) from None
             raise
-    print_summary(shards, runs, watch, memory.peak, time.perf_counter() - started, output, qnn_summary)
+    peaks = (memory.peak, memory.peak_of(os.getpid()))
+    print_summary(shards, runs, watch, peaks, time.perf_counter() - started, output, qnn_summary)
     return output
 
 

@@ -26,13 +26,14 @@ def print_summary(
     shards: list[dict],
     runs: dict[int, dict],
     watch: Stopwatch,
-    peak_bytes: int | None,
+    peak_bytes: tuple[int | None, int | None],
     total_seconds: float,
     output: Path,
     qnn_summary: dict | None,
 ) -> None:
-    """One row per shard. seconds: the shard's lowering job, start to result; peak: the summed PSS
-    of the process that lowered it, at its highest. cache: "hit" (taken from the shard cache),
+    """One row per shard. seconds: the shard's lowering job, start to result; peak: the PSS of the
+    process that lowered it, at its highest. peak_bytes: (the summed PSS of all the export's
+    processes at its highest, the main process's own). cache: "hit" (taken from the shard cache),
     "stored" (lowered and put there) or "off". SQNR (dB, against the float shard on a held-out
     input) is given for the shard's main output per method, decode/prefill, over the whole output
     and for its worst token; the manifest has the first for every output."""
@@ -86,7 +87,8 @@ def print_summary(
     total = sum(s["size"] for s in shards)
     hits = sum(s.get("cache") == "hit" for s in shards)
     reused = f" ({hits} of them from the cache)" if hits else ""
+    every, own = peak_bytes
     print(
-        f"{len(shards)} shards{reused}, {total / 1e6:.2f} MB, {total_seconds:.1f} s, peak memory {gb(peak_bytes)} "
-        f"(summed PSS of the export's processes) -> {output}"
+        f"{len(shards)} shards{reused}, {total / 1e6:.2f} MB, {total_seconds:.1f} s, peak memory {gb(every)} "
+        f"(summed PSS of the export's processes; {gb(own)} its main process) -> {output}"
     )

@@ -25,6 +25,8 @@ def default_workers() -> int:
 
 
 class LocalExecutor:
+    shares_files = True  # its jobs write into the export's folders themselves
+
     def __init__(self, workers: int, memory_budget: int | None = None, memory: PeakMemory | None = None):
         """memory_budget: bytes the running jobs' estimates may add up to (None: no limit); a job
         estimated above it still runs, alone. memory: the run's sampler, which tells each

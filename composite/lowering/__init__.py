@@ -17,15 +17,19 @@ __all__ = ["LoweredShard", "export_methods", "finish", "lower_shard"]
 
 
 def lower_shard(
-    module: torch.nn.Module, example_inputs: dict[str, tuple], names: dict, placement: Placement, consume: bool = False
+    module: torch.nn.Module,
+    example_inputs: dict[str, tuple],
+    names: dict,
+    placement: Placement,
+    prequantized: bool = False,
 ):
-    """-> (EdgeProgramManager, notes, encodings) for an XNNPACK or portable shard (consume: the
-    module is the caller's to give up, quantized in place). QNN shards, which are calibrated
+    """-> (EdgeProgramManager, notes, encodings) for an XNNPACK or portable shard (prequantized:
+    its linears are quantized already, as the placement says). QNN shards, which are calibrated
     first, go through lowering.qnn.lower_qnn_shard."""
     if placement.backend == "xnnpack":
         from composite.lowering import xnnpack
 
-        return xnnpack.lower(module, example_inputs, names, placement.options, consume)
+        return xnnpack.lower(module, example_inputs, names, placement.options, prequantized)
     if placement.backend == "portable":
         from composite.lowering import portable
 

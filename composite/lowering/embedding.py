@@ -24,25 +24,22 @@ class QuantizedEmbedding(nn.Module):
     """weight: int8 [vocab, dim] (8-bit) or uint8 [vocab, dim/2] holding two 4-bit values per byte,
     the even column in the high nibble, each stored +8; scales: float16 [vocab, groups]."""
 
+    ROW_BLOCK = 8192  # rows quantized at once: the float temporaries of a block, not of the table
+
     def __init__(self, table: torch.Tensor, bits: int, group_size: int):
         super().__init__()
         load_kernels()
         vocab, dim = table.shape
         group = group_size or dim
-        qmax = 2 ** (bits - 1) - 1
-        groups = table.detach().float().reshape(vocab, dim // group, group)
-        # Symmetric: zero stays exactly zero, and the kernels need no zero points.
-        scales = (groups.abs().amax(dim=-1) / qmax).clamp(min=torch.finfo(torch.float16).tiny).half()
-        q = torch.round(groups / scales.float()[..., None]).clamp(-qmax - 1, qmax).to(torch.int8).reshape(vocab, dim)
-        if bits == 4:
-            nibbles = (q + 8).to(torch.uint8).reshape(vocab, dim // 2, 2)
-            packed = nibbles[..., 0] * 16 + nibbles[..., 1]
-        else:
-            packed = q
+        packed = torch.empty((vocab, dim // 2 if bits == 4 else dim), dtype=torch.uint8 if bits == 4 else torch.int8)
+        scales = torch.empty((vocab, dim // group), dtype=torch.float16)
+        for start in range(0, vocab, self.ROW_BLOCK):
+            rows = slice(start, start + self.ROW_BLOCK)
+            packed[rows], scales[rows] = quantize_rows(table.detach()[rows], bits, group)
         self.bits, self.group = bits, group
         self.output_dtype = torch.float32  # float16 in an fp16 shard, whose hidden state is float16
         self.register_buffer("weight", packed)
-        self.register_buffer("scales", scales if scales.shape[1] > 1 else scales[:, 0])
+        self.register_buffer("scales", scales if scales.shape[1] > 1 else scales[:, 0].contiguous())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:
@@ -65,6 +62,20 @@ class QuantizedEmbedding(nn.Module):
 
     def stored_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def quantize_rows(rows: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed values, float16 scales [rows, groups]) of a block of the table's rows."""
+    count, dim = rows.shape
+    qmax = 2 ** (bits - 1) - 1
+    groups = rows.float().reshape(count, dim // group, group)
+    # Symmetric: zero stays exactly zero, and the kernels need no zero points.
+    scales = (groups.abs().amax(dim=-1) / qmax).clamp(min=torch.finfo(torch.float16).tiny).half()
+    q = torch.round(groups / scales.float()[..., None]).clamp(-qmax - 1, qmax).to(torch.int8).reshape(count, dim)
+    if bits == 4:
+        nibbles = (q + 8).to(torch.uint8).reshape(count, dim // 2, 2)
+        return nibbles[..., 0] * 16 + nibbles[..., 1], scales
+    return q, scales
 
 
 def check(dim: int, bits: int, group_size: int) -> None:

@@ -22,6 +22,10 @@ MB = 1 << 20
 PROCESS_BYTES = 600 * MB
 
 
+def shard_file(spec) -> str:
+    return f"shard_{spec.index:02d}.pte"
+
+
 def part_bytes(args, spec) -> int:
     """float32 bytes of the weights one shard reads (a tied head reads the embedding's table)."""
     from composite.split.plan import unit_bytes
@@ -44,8 +48,10 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     return PROCESS_BYTES + int(weights * factor)
 
 
-def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing: list[int]) -> list[Job]:
-    """Jobs that lower the shards in `missing` (indices), with the float chains their QNN shards need."""
+def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing: list[int], write_to=None) -> list[Job]:
+    """Jobs that lower the shards in `missing` (indices), with the float chains their QNN shards
+    need. write_to: a folder the jobs write their .pte files into (where they share this disk),
+    named as shard_file() names them; None: the files' bytes come back with the results."""
     methods = {DECODE: 1, PREFILL: config.prefill_len}
 
     def work(index: int, **extra) -> ShardWork:
@@ -61,6 +67,9 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
             specs[-1].index,
             **extra,
         )
+
+    def output(index: int) -> str | None:
+        return None if write_to is None else str(write_to / shard_file(specs[index]))
 
     chains: dict[str, list[int]] = {}
     for index in missing:
@@ -85,7 +94,7 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
             )
         for index in indices:
             stream = (Result(f"float shard {index - 1}{chain}"),) if index else ()
-            shard_work = work(index, calls=calls)
+            shard_work = work(index, calls=calls, output=output(index))
             qnn_jobs.append(
                 Job(
                     f"lower shard {index}",
@@ -97,7 +106,7 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
             )
     for index in missing:
         if placements[index].backend != "qnn":
-            shard_work = work(index)
+            shard_work = work(index, output=output(index))
             other_jobs.append(
                 Job(
                     f"lower shard {index}",

@@ -20,8 +20,10 @@ import dataclasses
 import os
 import socket
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -31,7 +33,7 @@ from composite.lowering import embedding
 from composite.lowering.calibration import Call, replay
 from composite.lowering.program import LoweredShard
 from composite.manifest import DECODE, PREFILL
-from composite.model.llama import ModelArgs
+from composite.model.llama import ModelArgs, Transformer, rope_inv_freq
 from composite.model.loaded import build_model, part_names
 from composite.model.rotation import rotate
 from composite.model.weights import WeightSource
@@ -52,6 +54,7 @@ class ShardWork:
     head_shard: int = 0  # where a tied head keeps its copy of the table (the embedding's notes say)
     calls: list[Call] | None = None  # QNN and float tasks: the calibration run
     stream: list | None = None  # a QNN shard's input per call, from the float model (None: tokens)
+    output: str | None = None  # where to write the .pte, where the task shares the export's disk
 
     @property
     def methods(self) -> dict[str, int]:
@@ -65,7 +68,7 @@ class ShardWork:
 @dataclass
 class ShardLowered:
     index: int
-    shard: LoweredShard  # .buffer: the .pte bytes
+    shard: LoweredShard  # .buffer: the .pte bytes (empty when the task wrote them to work.output)
     io: dict  # the manifest's description of its methods' inputs and outputs (checked against the program)
     stages: dict[str, float]  # where the task's time went: read, lower, serialize, calibrate, measure
     where: str  # host:pid of the process that ran it
@@ -86,13 +89,39 @@ def here() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def float_shard(work: ShardWork) -> ShardModule:
-    """The shard's float module, its weights read now and rotated as the export says."""
-    spec = work.spec
-    tensors = work.weights.read(part_names(work.args, spec.has_embedding, spec.layers, spec.has_head))
-    model = build_model(work.args, tensors, spec.has_embedding)
-    del tensors
-    rotate(model, work.rotation)
+def units(spec: ShardSpec) -> list[str | int]:
+    """The parts a shard is read in: "embedding", each layer's index, "head"."""
+    return (["embedding"] if spec.has_embedding else []) + list(spec.layers) + (["head"] if spec.has_head else [])
+
+
+def load_shard(work: ShardWork, each_unit: Callable[[Transformer, str | int], None] | None = None) -> ShardModule:
+    """The shard's module, read one unit (embedding, layer, head) at a time: each is read, rotated
+    as the export says and handed to each_unit(model, unit) (an XNNPACK shard quantizes it there)
+    before the next is read, so float32 weights of one unit at most are alive at once besides
+    what each_unit keeps. A unit rotated alone is the same unit of the whole model rotated."""
+    args, spec = work.args, work.spec
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.inv_freq = rope_inv_freq(args)
+    for unit in units(spec):
+        embedding, head = unit == "embedding", unit == "head"
+        layers = range(unit, unit + 1) if isinstance(unit, int) else range(0)
+        tied_here = head and args.tie_embeddings and spec.has_embedding and work.rotation == "none"
+        if tied_here:  # one table for both, as Transformer ties them (a rotated head gets its own)
+            part = build_model(args, work.weights.read(part_names(args, False, layers, False) + ["norm.weight"]), False)
+            part.output.weight = model.tok_embeddings.weight
+        else:
+            part = build_model(args, work.weights.read(part_names(args, embedding, layers, head)), embedding)
+        rotate(part, work.rotation)
+        if embedding:
+            model.tok_embeddings = part.tok_embeddings
+        elif head:
+            model.norm, model.output = part.norm, part.output
+        else:
+            model.layers[unit] = part.layers[unit]
+        del part
+        if each_unit is not None:
+            each_unit(model, unit)
     return ShardModule(model, spec).eval()
 
 
@@ -100,7 +129,7 @@ def float_task(work: ShardWork, stream: list | None = None) -> list:
     """The float shard's main output for each calibration call: the next shard's input. stream:
     the shard's own input per call (the previous float task's result; None: the calls' tokens)."""
     with one_thread():
-        module = float_shard(work)
+        module = load_shard(work)
         return replay(module, work.calls, stream, work.methods, work.max_seq_len)
 
 
@@ -110,22 +139,22 @@ def lower_task(work: ShardWork, stream: list | None = None) -> ShardLowered:
         work = dataclasses.replace(work, stream=stream)
     with one_thread():
         stages = {}
-        started = time.perf_counter()
-        module = float_shard(work)
-        stages["read"] = time.perf_counter() - started
         io = {m: shard_io(work.args, work.spec, n, work.max_seq_len) for m, n in work.methods.items()}
         names = {m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in io.items()}
         examples = {m: tuple(t.example() for t in inputs) for m, (inputs, _) in io.items()}
         if work.placement.backend == "qnn":
-            lowered, encodings, qnn = _lower_qnn(work, module, examples, names, stages)
+            lowered, encodings, qnn = _lower_qnn(work, examples, names, stages)
         else:
-            (lowered, encodings), qnn = _lower_cpu(work, module, examples, names, stages), {}
+            (lowered, encodings), qnn = _lower_cpu(work, examples, names, stages), {}
         described = describe_io(io, encodings)
         from executorch.runtime import Runtime
 
         manifest_schema.check_against_program(
             Runtime.get().load_program(lowered.buffer), {"index": work.spec.index, "io": described}
         )
+        if work.output is not None:  # written here: the bytes need not travel back
+            Path(work.output).write_bytes(lowered.buffer)
+            lowered.buffer = b""
         return ShardLowered(work.spec.index, lowered, described, stages, here(), qnn)
 
 
@@ -146,26 +175,44 @@ def describe_io(io: dict, encodings: dict) -> dict:
     return described
 
 
-def _lower_cpu(work: ShardWork, module: ShardModule, examples, names, stages) -> tuple[LoweredShard, dict]:
+def _lower_cpu(work: ShardWork, examples, names, stages) -> tuple[LoweredShard, dict]:
+    """An XNNPACK or portable shard. A quantized XNNPACK shard quantizes each unit as it is read
+    (its float weights go before the next unit's come), and the embedding table as well."""
     from composite.lowering import finish, lower_shard
+    from composite.lowering.xnnpack import fp32_note, quantize_linears
 
-    notes = []
+    options = work.placement.options
+    quantized = work.placement.backend == "xnnpack" and options.get("quantize", "none") != "none"
+    notes, skipped = [], []
+
+    def each_unit(model, unit):
+        if unit == "embedding" and work.embedding_quantize is not None:
+            bits, group = work.embedding_quantize
+            notes.extend(embedding.quantize(model, bits, group, work.head_shard, work.args.tie_embeddings))
+        elif quantized and unit != "embedding":
+            quantize_linears(
+                model, options, in_place=True, only="output" if unit == "head" else f"layers.{unit}", skipped=skipped
+            )
+
     started = time.perf_counter()
-    if work.spec.has_embedding and work.embedding_quantize is not None:
-        bits, group = work.embedding_quantize
-        notes = embedding.quantize(module, bits, group, work.head_shard, work.args.tie_embeddings)
-    edge, lowering_notes, encodings = lower_shard(module, examples, names, work.placement, consume=True)
+    module = load_shard(work, each_unit)
+    stages["read+quantize"] = time.perf_counter() - started
+    started = time.perf_counter()
+    edge, lowering_notes, encodings = lower_shard(module, examples, names, work.placement, prequantized=quantized)
     del module
     stages["lower"] = time.perf_counter() - started
     started = time.perf_counter()
-    shard = finish(edge, lowering_notes + notes)
+    shard = finish(edge, fp32_note(skipped, options) + lowering_notes + notes)
     stages["serialize"] = time.perf_counter() - started
     return shard, encodings
 
 
-def _lower_qnn(work: ShardWork, module: ShardModule, examples, names, stages) -> tuple[LoweredShard, dict, dict]:
+def _lower_qnn(work: ShardWork, examples, names, stages) -> tuple[LoweredShard, dict, dict]:
     from composite.lowering.qnn import lower_qnn_shard
 
+    started = time.perf_counter()
+    module = load_shard(work)
+    stages["read"] = time.perf_counter() - started
     lowered = lower_qnn_shard(
         module, examples, names, work.placement.options, work.calls, work.stream, work.max_seq_len
     )

@@ -155,22 +155,34 @@ def half_form(form: nn.Module, has_head: bool) -> nn.Module:
     return half
 
 
+# A linear whose float weight is larger is quantized a block of rows at a time (Llama 3.2's tied
+# 128256-row head: 1-1.6 GB of float32, which torchao's quantize_ would hold three times over).
+ROW_BLOCK_BYTES = 64 << 20
+
+
 def quantize_linears(
-    module: torch.nn.Module, options: dict, in_place: bool = False
+    module: torch.nn.Module,
+    options: dict,
+    in_place: bool = False,
+    only: str | None = None,
+    skipped: list[str] | None = None,
 ) -> tuple[torch.nn.Module, list[str]]:
     """A copy with 8-bit dynamically quantized activations and int4 (8da4w, grouped by group_size,
     0 = per channel) or int8 (8da8w, per channel) weights; the head (`output`) as head_quantize
     says; scales as weight_mapping says. The caller's module keeps its float weights, unless
-    in_place (each float weight is then let go as its linear is quantized).
+    in_place (each float weight is then let go as its linear is quantized). only: quantize the
+    linears under this module path alone (a streamed shard quantizes each layer as it is read);
+    skipped: where to add the names of linears left in float (the caller then writes the note).
     options: an XNNPACK placement's (composite/config.py). -> (module, notes on what was skipped)."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_primitives import MappingType
 
     mapping = MappingType[options["weight_mapping"].upper()]
     if not in_place:
         module = copy.deepcopy(module)
-    skipped = []
+    noted = skipped is None
+    skipped = [] if skipped is None else skipped
 
     def config(scheme: str) -> tuple[Int8DynamicActivationIntxWeightConfig, int]:
         weight_dtype, per_channel = WEIGHT_SCHEMES[scheme]
@@ -181,45 +193,69 @@ def quantize_linears(
         )
         return quantized, group_size
 
-    def takes(group_size: int, heads: bool):
-        def take(linear: torch.nn.Module, fqn: str) -> bool:
-            if not isinstance(linear, torch.nn.Linear) or (fqn == "output") != heads:
-                return False
-            if group_size and linear.in_features % group_size:
-                skipped.append(fqn)
-                return False
-            return True
-
-        return take
-
     head = options["head_quantize"]
     head_scheme = options["quantize"] if head == "same" else head
-    for scheme, heads in ((options["quantize"], False), (head_scheme, True)):
-        if scheme != "none":
-            quantized, group_size = config(scheme)
-            quantize_(module, quantized, filter_fn=takes(group_size, heads))
-    notes = (
-        [
-            f"{len(skipped)} linears left in fp32 (in_features not a multiple of group size {options['group_size']}): "
-            f"{', '.join(skipped)}"
-        ]
-        if skipped
-        else []
-    )
-    return module, notes
+    for fqn, linear in list(module.named_modules()):
+        if not isinstance(linear, torch.nn.Linear) or linear.weight.is_meta:
+            continue
+        if only is not None and fqn != only and not fqn.startswith(only + "."):
+            continue
+        scheme = head_scheme if fqn == "output" else options["quantize"]
+        if scheme == "none":
+            continue
+        quantized, group_size = config(scheme)
+        if group_size and linear.in_features % group_size:
+            skipped.append(fqn)
+            continue
+        quantize_by_rows(linear, quantized)
+    return module, fp32_note(skipped, options) if noted else []
 
 
-def lower(module, example_inputs: dict, names: dict, options: dict, consume: bool = False):
+def fp32_note(skipped: list[str], options: dict) -> list[str]:
+    if not skipped:
+        return []
+    return [
+        f"{len(skipped)} linears left in fp32 (in_features not a multiple of group size {options['group_size']}): "
+        f"{', '.join(skipped)}"
+    ]
+
+
+def quantize_by_rows(linear: torch.nn.Linear, config) -> None:
+    """torchao's quantize_ of one linear, a block of output rows at a time where its weight is
+    large. Each row's quantization reads that row alone (per-channel or per-group scales), so the
+    blocks put together are the whole weight quantized at once, bit for bit, with a fraction of
+    its float temporaries."""
+    from torchao.quantization import quantize_
+
+    weight = linear.weight
+    rows = max(1, ROW_BLOCK_BYTES // (weight.shape[1] * weight.element_size()))
+    if weight.shape[0] <= rows:
+        quantize_(linear, config)
+        return
+    blocks = []
+    for start in range(0, weight.shape[0], rows):
+        part = torch.nn.Linear(weight.shape[1], min(rows, weight.shape[0] - start), bias=False, device="meta")
+        part.weight = torch.nn.Parameter(weight.detach()[start : start + rows], requires_grad=False)
+        quantize_(part, config)
+        blocks.append(part.weight)
+    first = blocks[0]
+    data = [torch.cat([getattr(b, name) for b in blocks]) for name in first.tensor_data_names]
+    attributes = [getattr(first, name) for name in first.tensor_attribute_names]
+    del blocks
+    linear.weight = torch.nn.Parameter(type(first)(*data, *attributes), requires_grad=False)
+
+
+def lower(module, example_inputs: dict, names: dict, options: dict, prequantized: bool = False):
     """-> (EdgeProgramManager, notes, method -> ("in" | "out", name) -> Encoding of the native I/O
-    that is not float32). names: method -> (input names, output names). consume: `module` is the
-    caller's to give up (its float weights are quantized in place, not copied first).
+    that is not float32). names: method -> (input names, output names). prequantized: the module's
+    linears are already quantized as options say (a copy is quantized otherwise).
 
     With attention "kernel", the one-token method (decode) calls composite::attention; wider
     methods (prefill) keep the graph's batched matmuls, which XNNPACK runs faster over many rows.
     Both forms hold the same (quantized) weights, which the program stores once."""
     notes = []
-    if options.get("quantize", "none") != "none":
-        module, notes = quantize_linears(module, options, in_place=consume)
+    if options.get("quantize", "none") != "none" and not prequantized:
+        module, notes = quantize_linears(module, options)
     forms = {"graph": xnnpack_form(module, "graph")}
     if options.get("attention") == "kernel":
         forms["kernel"] = xnnpack_form(module, "kernel")
