@@ -169,9 +169,11 @@ class ShardReplay:
             inputs.append(torch.tensor([count - 1], dtype=torch.int64))
         return inputs
 
-    def run(self, call: Call, inputs: list) -> list:
+    def run(self, call: Call, inputs: list, graph=None) -> list:
+        """The shard (or `graph`, a form of it with the same inputs and outputs) called on
+        `inputs`; its new cache entries are written."""
         with torch.no_grad():
-            outputs = list(self.module(*inputs))
+            outputs = list((graph or self.module)(*inputs))
         for i in range(len(self.spec.layers)):
             self.cache.write(i, outputs[1 + 2 * i], outputs[2 + 2 * i], call.pos, len(call.tokens))
         return outputs
@@ -202,6 +204,51 @@ def replay(
             outputs.append(result[0])
         if progress is not None:
             progress.update()
+    return outputs
+
+
+def replay_wide(module, calls: list[Call], stream: list | None, methods: dict[str, int], max_seq_len: int) -> list:
+    """replay() for the float chain that feeds QNN shards their calibration inputs: each run of
+    decode steps in one sequence is made as prefill calls of up to prefill_len tokens (one read of
+    the shard's weights per call, not per token: the float chain of a 3B model reads 2 GB a call).
+    A decode step's output is its token's row of such a call: the same arithmetic, in a matmul
+    of more rows. -> the shard's main output per call of `calls` ([1, 1, dim] for a decode step)."""
+    if module.spec.has_head:
+        raise ValueError("replay_wide makes the hidden states a later shard takes; the head gives none")
+    shard = ShardReplay(module, methods, max_seq_len)
+    width = methods[PREFILL]
+    outputs: list = [None] * len(calls)
+    start = 0
+    while start < len(calls):
+        first = calls[start]
+        end = start + 1
+        if first.method == DECODE:
+            while (
+                end < len(calls)
+                and end - start < width
+                and calls[end].method == DECODE
+                and not calls[end].starts_sequence
+                and calls[end].held_out == first.held_out
+                and calls[end].pos == calls[end - 1].pos + 1
+            ):
+                end += 1
+            call = Call(
+                PREFILL, tuple(c.tokens[0] for c in calls[start:end]), first.pos, first.starts_sequence, first.held_out
+            )
+        else:
+            call = first
+        x = None
+        if stream is not None:
+            x = torch.cat(stream[start:end], dim=1)
+            if call.method == PREFILL and x.shape[1] < width:
+                x = torch.cat((x, x.new_zeros(1, width - x.shape[1], x.shape[2])), dim=1)
+        result = shard.run(call, shard.inputs(call, x))[0]
+        if first.method == DECODE:
+            for i in range(start, end):
+                outputs[i] = result[:, i - start : i - start + 1].clone()
+        else:
+            outputs[start] = result
+        start = end
     return outputs
 
 

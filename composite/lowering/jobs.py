@@ -80,26 +80,32 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
         options = json.loads(key)
         calls = calibration_calls(options, tokenizer, loaded.args.vocab_size, methods, config.max_seq_len, bos_id)
         chain = f" (calibration {number + 1})" if len(chains) > 1 else ""
-        for index in range(max(indices)):
-            stream = (Result(f"float shard {index - 1}{chain}"),) if index else ()
+
+        def stream(index: int, chain: str = chain) -> tuple:
+            """The float chain's output of shard `index`, as a job's argument (none before shard 0)."""
+            return (Result(f"float shard {index}{chain}"),) if index >= 0 else (None,)
+
+        # A quantized QNN shard's hidden output gets the range of the float chain's output of it.
+        ranged = [i for i in indices if placements[i].options["precision"] != "fp16" and not specs[i].has_head]
+        for index in range(max(max(indices) - 1, *ranged) + 1):
             shard_work = work(index, calls=calls)
             float_jobs.append(
                 Job(
                     f"float shard {index}{chain}",
                     float_task,
-                    (shard_work, *stream),
+                    (shard_work, *(stream(index - 1) if index else ())),
                     expected_bytes(shard_work, lowering=False),
                     f"the float pass of shard {index}",
                 )
             )
         for index in indices:
-            stream = (Result(f"float shard {index - 1}{chain}"),) if index else ()
             shard_work = work(index, calls=calls, output=output(index))
+            after = stream(index) if index in ranged else (None,)
             qnn_jobs.append(
                 Job(
                     f"lower shard {index}",
                     lower_task,
-                    (shard_work, *stream),
+                    (shard_work, *stream(index - 1), *after),
                     expected_bytes(shard_work, True),
                     f"shard {index}",
                 )

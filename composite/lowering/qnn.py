@@ -25,7 +25,7 @@ from executorch.runtime import Runtime
 from composite import qnn_host
 from composite.errors import UserError
 from composite.lowering import native_io
-from composite.lowering.calibration import replay, sqnr_db
+from composite.lowering.calibration import ShardReplay, sqnr_db
 from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
 from composite.lowering.program import LoweredShard, executorch_config, finish
 from composite.runtime.encoding import convert
@@ -208,11 +208,13 @@ class QnnShardLowering:
                     caches.setdefault((name.split("_")[0], name.split(".")[1]), []).append(observer)
         native_io.share_ranges(list(caches.values()))
 
-    def observe(self, method: str, inputs) -> None:
-        """One calibration input (quantized precisions only)."""
+    def observe(self, method: str, inputs):
+        """One calibration input (quantized precisions only); -> the graph's outputs (the float
+        shard's, as the observers leave values as they are)."""
         with torch.no_grad():
-            self.graphs[method](*inputs)
+            outputs = self.graphs[method](*inputs)
         self.calibrated[method] += 1
+        return outputs
 
     def lower(self):
         """-> (EdgeProgramManager, notes, the host twin's .pte bytes or None). XNNPACK takes what QNN
@@ -432,46 +434,64 @@ class QnnLowered:
 
 
 def lower_qnn_shard(
-    module, examples: dict, names: dict, options: dict, calls: list, stream: list | None, max_seq_len: int
+    module,
+    examples: dict,
+    names: dict,
+    options: dict,
+    calls: list,
+    stream: list | None,
+    max_seq_len: int,
+    next_stream: list | None = None,
 ) -> QnnLowered:
     """One QNN shard, from its float module to its .pte: calibrated (quantized precisions) on the
     calls of a calibration run, its input for each being `stream` (the float model's output of the
     shard before it; None for the embedding's shard), lowered, and measured on the held-out calls.
+    The graphs being calibrated run the calls themselves (their outputs fill the shard's cache:
+    observers leave values as they are); the float module runs the held-out calls.
 
     Quantized native I/O: each layer's cache gets one range (input and new-entry output, every
-    method), and the hidden state out of the shard the range of the float shard's own output on
-    the calibration calls, which is exactly the range the next shard observes on its input: two
-    adjacent QNN shards meet without a conversion, and neither needs the other to be calibrated."""
+    method), and the hidden state out of the shard the range of `next_stream` (the float model's
+    output of this shard, as the next shard takes it), so that two adjacent QNN shards meet
+    without a conversion and neither needs the other to be calibrated."""
     methods = {method: inputs[0].shape[1] for method, inputs in examples.items()}
     positions = max_seq_len + max(methods.values())
     job = QnnShardLowering(module, examples, names, options, positions)
     started = time.perf_counter()
+    shard = ShardReplay(module, methods, max_seq_len)
     held_out: dict[str, tuple] = {}
-    outputs_range: dict[str, tuple[float, float]] = {}
-
-    def observe(call, inputs):
+    for i, call in enumerate(calls):
+        if not (call.held_out or job.quantized):
+            continue  # an fp16 shard needs the held-out calls alone, which start a sequence of their own
+        inputs = shard.inputs(call, None if stream is None else stream[i])
         if call.held_out:
             held_out.setdefault(call.method, tuple(t.clone() for t in inputs))
-        elif job.quantized:
-            job.observe(call.method, inputs)
-
-    outputs = replay(module, calls, stream, methods, max_seq_len, observe, keep_outputs=job.quantized)
+            shard.run(call, inputs)
+        else:
+            shard.run(call, inputs, lambda *xs, method=call.method: job.observe(method, xs))
+    stages = {}
     if job.quantized:
-        for call, output in zip(calls, outputs):
-            if not call.held_out and not module.spec.has_head:
-                low, high = outputs_range.get(call.method, (float("inf"), float("-inf")))
-                outputs_range[call.method] = (min(low, float(output.min())), max(high, float(output.max())))
-        job.share_io_ranges(outputs_range)
-    stages = {"calibrate": time.perf_counter() - started} if job.quantized else {}
+        job.share_io_ranges(stream_ranges(calls, next_stream) if next_stream is not None else {})
+        stages["calibrate"] = time.perf_counter() - started
     started = time.perf_counter()
     edge, notes, twin = job.lower()
     own = own_spill_fill(edge)
-    shard = finish(edge, notes, job.planning())
+    shard_lowered = finish(edge, notes, job.planning())
     stages["lower"] = time.perf_counter() - started
     started = time.perf_counter()
-    sqnr, worst = measure(twin or shard.buffer, module, held_out, names, job.io_encodings)
+    sqnr, worst = measure(twin or shard_lowered.buffer, module, held_out, names, job.io_encodings)
     stages["measure"] = time.perf_counter() - started
-    return QnnLowered(shard, own, sqnr, worst, job.io_encodings, stages)
+    return QnnLowered(shard_lowered, own, sqnr, worst, job.io_encodings, stages)
+
+
+def stream_ranges(calls: list, stream: list) -> dict[str, tuple[float, float]]:
+    """method -> (min, max) of a float stream over the calibration calls (not the held-out ones),
+    a decode step's value standing for its method's."""
+    ranges: dict[str, tuple[float, float]] = {}
+    for call, x in zip(calls, stream):
+        if not call.held_out:
+            low, high = ranges.get(call.method, (float("inf"), float("-inf")))
+            ranges[call.method] = (min(low, float(x.min())), max(high, float(x.max())))
+    return ranges
 
 
 def measure(

@@ -30,7 +30,7 @@ import torch
 from composite import manifest as manifest_schema
 from composite.config import Placement
 from composite.lowering import embedding
-from composite.lowering.calibration import Call, replay
+from composite.lowering.calibration import Call, replay_wide
 from composite.lowering.program import LoweredShard
 from composite.manifest import DECODE, PREFILL
 from composite.model.llama import ModelArgs, Transformer, rope_inv_freq
@@ -54,6 +54,7 @@ class ShardWork:
     head_shard: int = 0  # where a tied head keeps its copy of the table (the embedding's notes say)
     calls: list[Call] | None = None  # QNN and float tasks: the calibration run
     stream: list | None = None  # a QNN shard's input per call, from the float model (None: tokens)
+    next_stream: list | None = None  # ...and its float output per call (the next shard's input)
     output: str | None = None  # where to write the .pte, where the task shares the export's disk
 
     @property
@@ -130,13 +131,14 @@ def float_task(work: ShardWork, stream: list | None = None) -> list:
     the shard's own input per call (the previous float task's result; None: the calls' tokens)."""
     with one_thread():
         module = load_shard(work)
-        return replay(module, work.calls, stream, work.methods, work.max_seq_len)
+        return replay_wide(module, work.calls, stream, work.methods, work.max_seq_len)
 
 
-def lower_task(work: ShardWork, stream: list | None = None) -> ShardLowered:
-    """The shard lowered (a QNN shard calibrated on `stream`, its input per calibration call)."""
-    if stream is not None:
-        work = dataclasses.replace(work, stream=stream)
+def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | None = None) -> ShardLowered:
+    """The shard lowered. A QNN shard is calibrated on `stream` (its input per calibration call,
+    None: the calls' tokens), its hidden output given the range of `next_stream` (the float
+    shard's own output per call)."""
+    work = dataclasses.replace(work, stream=stream, next_stream=next_stream)
     with one_thread():
         stages = {}
         io = {m: shard_io(work.args, work.spec, n, work.max_seq_len) for m, n in work.methods.items()}
