@@ -7,7 +7,10 @@ YAML keys (all optional):
   max_seq_len                     KV cache length (positions), default 512
   prefill_len                     tokens per call of each shard's prefill method, default 64
   shards                          number of shards, default 1
-  layers_per_shard                explicit decoder-layer count per shard (else balanced by bytes)
+  layers_per_shard                explicit decoder-layer count per shard, or auto: the QNN shards
+                                  take as many layers as fit qnn.max_context_mb, spread evenly,
+                                  the CPU shards the rest, balanced by bytes; default: every shard
+                                  balanced by bytes
   placement                       backend per shard: one name for all, a list, or a mapping
                                   {default: xnnpack, 2: qnn}; list items may be mappings with
                                   per-shard options, e.g. {backend: xnnpack, quantize: 8da4w}
@@ -17,7 +20,9 @@ YAML keys (all optional):
                                   quantized shard; weight_mapping: symmetric_no_clipping_err |
                                   symmetric, how torchao picks the weight scales)
   qnn: {soc, precision, ...}      defaults for QNN shards (weight_sharing: true by default; the
-                                  x86 simulator needs false, as --no-weight-sharing sets)
+                                  x86 simulator needs false, as --no-weight-sharing sets;
+                                  max_context_mb: a QNN shard's HTP budget, default 1024:
+                                  lowering/htp_limits.py)
   embedding_quantize              "none" (default), "8,0" (8-bit, a scale per row) or "4,32"
                                   (4-bit, a scale per 32 columns): BITS,GROUP as ExecuTorch's
                                   export_llama --embedding-quantize spells it
@@ -29,6 +34,9 @@ YAML keys (all optional):
                                   auto: when some shard has 8-bit (or QNN 16-bit) weights and none
                                   4-bit ones (8da4w, 16a4w), hadamard-ffn if those shards are all
                                   XNNPACK ones, else hadamard; none otherwise
+  max_memory_gb                   what the export's lowering jobs may hold at once (default: 90% of
+                                  the memory available when it starts); jobs run side by side only
+                                  within it, and a shard expected to need more is refused up front
   output                          artifacts folder, default "artifacts"
 """
 
@@ -67,6 +75,7 @@ TOP_LEVEL_KEYS = (
     "qnn",
     "embedding_quantize",
     "rotate",
+    "max_memory_gb",
     "output",
 )
 BACKEND_OPTION_KEYS = {
@@ -81,6 +90,7 @@ BACKEND_OPTION_KEYS = {
         "calibration",
         "skip_ops",
         "skip_node_ids",
+        "max_context_mb",
     ),
 }
 DEFAULT_OPTIONS = {
@@ -131,12 +141,13 @@ class ExportConfig:
     max_seq_len: int = 512
     prefill_len: int = 64
     shards: int = 1
-    layers_per_shard: list[int] | None = None
+    layers_per_shard: list[int] | str | None = None  # a count per shard, "auto", or None (balanced)
     placement: object = "xnnpack"  # as written; resolved by `placements()`
     xnnpack: dict = field(default_factory=dict)
     qnn: dict = field(default_factory=dict)
     embedding_quantize: object = "none"  # as written; parsed by `embedding_bits_and_group()`
     rotate: str = "auto"  # as written; resolved by `rotation()`
+    max_memory_gb: float | None = None
     output: str = "artifacts"
 
     def rotation(self) -> str:
@@ -298,6 +309,9 @@ def _check_qnn_details(options: dict, where: str) -> None:
         _positive_int(calibration["samples"], f"{where}: calibration samples")
     if "prompts" in calibration and (not isinstance(calibration["prompts"], list) or not calibration["prompts"]):
         raise UserError(f"{where}: calibration prompts must be a non-empty list of strings")
+    budget = options.get("max_context_mb", 1024)
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
+        raise UserError(f"{where}: qnn max_context_mb must be a positive number of megabytes, got {budget!r}")
     for key in ("skip_ops", "skip_node_ids"):
         value = options.get(key) or []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -363,12 +377,24 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
     config.prefill_len = _positive_int(config.prefill_len, "prefill_len")
     if config.prefill_len > config.max_seq_len:
         raise UserError(f"prefill_len {config.prefill_len} exceeds max_seq_len {config.max_seq_len}")
-    if config.layers_per_shard is not None and (
-        not isinstance(config.layers_per_shard, list)
-        or not all(isinstance(c, int) and not isinstance(c, bool) for c in config.layers_per_shard)
+    if (
+        config.layers_per_shard is not None
+        and config.layers_per_shard != "auto"
+        and (
+            not isinstance(config.layers_per_shard, list)
+            or not all(isinstance(c, int) and not isinstance(c, bool) for c in config.layers_per_shard)
+        )
     ):
-        raise UserError("layers_per_shard must be a list of integers, one per shard")
+        raise UserError("layers_per_shard must be a list of integers, one per shard, or auto")
+    if config.layers_per_shard == "auto" and not any(p.backend == "qnn" for p in config.placements()):
+        raise UserError("layers_per_shard auto cuts by the QNN shards' HTP budget; this placement has no QNN shard")
     config.placements()  # validate now, before any slow work
+    if config.max_memory_gb is not None and (
+        not isinstance(config.max_memory_gb, (int, float))
+        or isinstance(config.max_memory_gb, bool)
+        or config.max_memory_gb <= 0
+    ):
+        raise UserError(f"max_memory_gb must be a positive number of gigabytes, got {config.max_memory_gb!r}")
     if config.rotate not in ("auto", *ROTATIONS):
         raise UserError(f"rotate must be one of auto, {', '.join(ROTATIONS)}; got {config.rotate!r}")
     quantized_embedding = config.embedding_bits_and_group()
@@ -380,9 +406,9 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
     return config
 
 
-def _int_list(text: str | None, flag: str) -> list[int] | None:
-    if text is None:
-        return None
+def _int_list(text: str | None, flag: str) -> list[int] | str | None:
+    if text is None or text == "auto":
+        return text
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
@@ -408,6 +434,7 @@ def config_from_flags(args) -> ExportConfig:
         "output": args.output,
         "embedding_quantize": args.embedding_quantize,
         "rotate": args.rotate,
+        "max_memory_gb": args.max_memory,
     }
     config = build_config(args.config, overrides)
     if args.quantize is not None:

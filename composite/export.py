@@ -18,6 +18,7 @@ if __name__ == "__main__" and "--verbose" not in sys.argv:
 
 import argparse
 import errno
+import json
 import os
 import shutil
 import signal
@@ -36,6 +37,7 @@ from composite.executor.fork import ForkedCall
 from composite.executor.local import LocalExecutor, default_workers
 from composite.export_report import print_summary
 from composite.lowering import embedding
+from composite.lowering.htp_limits import check_placement, layer_capacity
 from composite.lowering.jobs import lowering_jobs, shard_file
 from composite.lowering.qnn import settle_spill_fill
 from composite.lowering.task import ShardLowered, lower_task
@@ -44,7 +46,7 @@ from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
 from composite.model.loaded import LoadedModel
 from composite.shard_cache import ShardCache
-from composite.split.plan import ShardSpec, plan_shards
+from composite.split.plan import ShardSpec, auto_layer_counts, plan_shards
 from composite.tokenizer import Tokenizer, tokenizer_for_model
 
 
@@ -117,7 +119,19 @@ def parse_args(argv):
         action="store_true",
         help="QNN shards keep a copy of their weights per method: the host twin, which the x86 HTP simulator loads",
     )
+    p.add_argument(
+        "--max-memory",
+        type=float,
+        metavar="GB",
+        help="what the lowering jobs may hold at once (default: 90%% of the memory available at the start)",
+    )
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the summary as JSON: each shard's job (where it ran, seconds, peak memory, stages), "
+        "the export's stages and peak memory",
+    )
     p.add_argument(
         "--no-cache",
         action="store_true",
@@ -157,6 +171,7 @@ def lower_all(
     executor = executor or LocalExecutor(default_workers())
     write_to = folder if executor.shares_files else None
     jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing, write_to)
+    check_fits(jobs, executor.budget)
     runs: dict[int, dict] = {}
     lowered = [job for job in jobs if job.fn is lower_task]
     progress = tqdm(total=len(lowered), desc="lowering shards", unit="shard", file=sys.stderr, disable=not lowered)
@@ -262,9 +277,12 @@ def bos_id(loaded: LoadedModel, tokenizer: Tokenizer | None) -> int | None:
     return tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id >= 0 else None
 
 
-def run_export(config: ExportConfig, cache: ShardCache | None = None, executor=None) -> Path:
+def run_export(
+    config: ExportConfig, cache: ShardCache | None = None, executor=None, summary: Path | None = None
+) -> Path:
     """Export `config`; shards are taken from and stored in `cache` unless it is None. executor:
-    where the lowering jobs run (default: forked processes on this machine, one per core)."""
+    where the lowering jobs run (default: forked processes on this machine, one per core).
+    summary: where to write the summary as JSON."""
     started = time.perf_counter()
     watch = Stopwatch()
     placements = config.placements()
@@ -282,7 +300,8 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None, executor=N
         try:
             with watch.stage("open checkpoint"):
                 loaded = load_checkpoint(config.checkpoint, config.params)
-            specs = plan_shards(loaded.args, config.shards, config.layers_per_shard)
+            specs = plan(loaded.args, config, placements)
+            htp = check_placement(loaded.args, specs, placements, config.max_seq_len, config.prefill_len)
             check_group_sizes(loaded.args, placements)
             if config.embedding_bits_and_group() is not None:
                 embedding.check(loaded.args.dim, *config.embedding_bits_and_group())
@@ -291,7 +310,8 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None, executor=N
             chat = chat_template.chat_entry(
                 tokenizer, first_bos, stop_ids(loaded, tokenizer, None), config.chat_template, loaded.chat_template
             )
-            executor = executor or LocalExecutor(default_workers(), memory_budget(), memory)
+            budget = memory_budget(config)
+            executor = executor or LocalExecutor(default_workers(), budget, memory)
             shards, qnn_summary, runs = lower_all(
                 loaded, specs, placements, config, tokenizer, folder, first_bos, cache, executor, watch
             )
@@ -310,12 +330,62 @@ def run_export(config: ExportConfig, cache: ShardCache | None = None, executor=N
                 ) from None
             raise
     peaks = (memory.peak, memory.peak_of(os.getpid()))
-    print_summary(shards, runs, watch, peaks, time.perf_counter() - started, output, qnn_summary)
+    seconds = time.perf_counter() - started
+    print_summary(shards, runs, watch, peaks, seconds, output, qnn_summary, htp)
+    if summary is not None:
+        write_summary(summary, shards, runs, watch, peaks, seconds, output)
     return output
 
 
-def memory_budget() -> int | None:
-    """What the lowering jobs running at once may be expected to hold: most of what is free now."""
+def check_fits(jobs: list, budget: int | None) -> None:
+    """One line, before any work, for a job expected to need more memory than the export may use."""
+    for job in jobs:
+        if budget is not None and job.memory > budget:
+            raise UserError(
+                f"{job.label} is expected to need about {job.memory / 1e9:.1f} GB to lower, more than the "
+                f"{budget / 1e9:.1f} GB this export may use (--max-memory, or 90% of what is free): cut the model "
+                "into more shards (--shards, layers_per_shard) or allow more memory"
+            )
+
+
+def plan(args, config: ExportConfig, placements: list[Placement]) -> list[ShardSpec]:
+    """The shards: layers as config.layers_per_shard says; `auto` fills the QNN shards up to
+    their HTP budget (split/plan.py, lowering/htp_limits.py)."""
+    if config.layers_per_shard != "auto":
+        return plan_shards(args, config.shards, config.layers_per_shard)
+    n = config.shards
+    capacity = [
+        layer_capacity(args, ShardSpec(i, 0, 0, i == 0, i == n - 1), p.options, config.max_seq_len, config.prefill_len)
+        if p.backend == "qnn"
+        else None
+        for i, p in enumerate(placements)
+    ]
+    counts = auto_layer_counts(args, capacity)
+    print(f"note: layers_per_shard auto: {counts}", file=sys.stderr)
+    return plan_shards(args, n, counts)
+
+
+def write_summary(path: Path, shards, runs, watch, peaks, seconds: float, output: Path) -> None:
+    keep = ("index", "file", "size", "layers", "backends", "cache", "spill_fill_bytes", "htp_context_bytes", "sqnr_db")
+    document = {
+        "output": str(output),
+        "seconds": round(seconds, 2),
+        "peak_bytes": peaks[0],
+        "main_process_peak_bytes": peaks[1],
+        "stages": {k: round(v, 2) for k, v in watch.seconds.items()},
+        "shards": [{**{k: s[k] for k in keep if k in s}, "job": runs.get(s["index"])} for s in shards],
+    }
+    try:
+        Path(path).write_text(json.dumps(document, indent=1) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write --json {path}: {e.strerror}") from None
+
+
+def memory_budget(config: ExportConfig) -> int | None:
+    """What the lowering jobs running at once may be expected to hold: max_memory_gb, else most of
+    what is free now."""
+    if config.max_memory_gb is not None:
+        return int(config.max_memory_gb * 1e9)
     available = meminfo("MemAvailable")
     return None if available is None else int(available * 0.9)
 
@@ -337,7 +407,11 @@ def main(argv=None) -> None:
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     try:
         with quiet.filtered_native_stderr(args.verbose):
-            run_export(config, None if args.no_cache else ShardCache.from_environment())
+            run_export(
+                config,
+                None if args.no_cache else ShardCache.from_environment(),
+                summary=Path(args.json) if args.json else None,
+            )
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise UserError(

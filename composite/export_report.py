@@ -22,6 +22,29 @@ def layers_text(shard: dict) -> str:
     return " ".join(parts)
 
 
+def print_htp(shards: list[dict], estimates: dict | None) -> None:
+    """Each QNN shard's bytes on the HTP as lowered (context binaries, its own spill-fill need,
+    I/O), against its budget; the shards' sum against one process's HTP address space."""
+    from composite.lowering.htp_limits import HTP_ARCH, MB, PROCESS_MB, HtpBytes, context_limit
+
+    total = 0
+    for s in shards:
+        if s["placement"]["backend"] != "qnn" or "htp_context_bytes" not in s:
+            continue
+        options = s["placement"]["options"]
+        estimate = (estimates or {}).get(s["index"])
+        io = estimate.io if estimate else 0
+        measured = HtpBytes(s["htp_context_bytes"], s.get("spill_fill_bytes", 0), io)
+        total += measured.total
+        before = f"; {estimate.total / MB:.1f} MB estimated before lowering" if estimate else ""
+        print(
+            f"HTP: shard {s['index']} ({options['soc']}, {HTP_ARCH[options['soc']]}) holds {measured.describe()} of "
+            f"its {context_limit(options) // MB} MB budget{before}"
+        )
+    if total:
+        print(f"HTP: the QNN shards hold {total / MB:.1f} MB together, of the {PROCESS_MB} MB one process may map")
+
+
 def print_summary(
     shards: list[dict],
     runs: dict[int, dict],
@@ -30,6 +53,7 @@ def print_summary(
     total_seconds: float,
     output: Path,
     qnn_summary: dict | None,
+    htp: dict | None = None,
 ) -> None:
     """One row per shard. seconds: the shard's lowering job, start to result; peak: the PSS of the
     process that lowered it, at its highest. peak_bytes: (the summed PSS of all the export's
@@ -80,6 +104,7 @@ def print_summary(
         )
     print("export's wall time by stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in watch.seconds.items()))
     if qnn_summary is not None:
+        print_htp(shards, htp)
         print(
             f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
             f"{qnn_summary['spill_fill_bytes']} bytes"

@@ -64,6 +64,7 @@ tools (the runners ignore it). Every key is written by every export unless marke
      "export_seconds": float, "notes": [str],   # e.g. linears left unquantized
      "cache": "hit" | "stored" | "off",         # taken from the shard cache, put there, or neither
      "spill_fill_bytes": int,    # optional, QNN shards: this shard's own need
+     "htp_context_bytes": int,   # optional, QNN shards: its context binaries' bytes
      "weight_sharing": bool,     # optional, QNN shards: decode and prefill share    [R]
                                  # one copy of the weights; the x86 simulator cannot
                                  # load such a shard, so runners there refuse it

@@ -16,7 +16,8 @@ from composite.runtime.kv_cache import AttentionMask
 from conftest import RUNNER, one_error_line, run_cli
 
 S = 16  # cache slots
-SHAPES = {"MHA": (2, 1, 8), "GQA": (2, 3, 8), "odd": (1, 2, 6)}  # kv heads, query heads per kv head, head dim
+# kv heads, query heads per kv head, head dim; Llama 3.2 3B's heads: 8 KV heads of 3 query heads, 128 wide
+SHAPES = {"MHA": (2, 1, 8), "GQA": (2, 3, 8), "odd": (1, 2, 6), "llama3.2-3b": (8, 3, 128)}
 
 
 class OneAttention(torch.nn.Module):

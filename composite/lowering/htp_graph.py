@@ -62,7 +62,7 @@ def _split_rows(linear: nn.Linear, parts: int) -> nn.ModuleList:
     rows = linear.weight.shape[0] // parts
     heads = nn.ModuleList()
     for i in range(parts):
-        head = nn.Linear(linear.in_features, rows, bias=False)
+        head = nn.Linear(linear.in_features, rows, bias=False, device="meta")
         head.weight = nn.Parameter(linear.weight.detach()[i * rows : (i + 1) * rows].clone())
         heads.append(head)
     return heads
@@ -110,13 +110,15 @@ class HtpAttention(nn.Module):
 def htp_form(
     shard: nn.Module, n_positions: int, linear_as_conv: bool = True, mask_floor: float | None = None
 ) -> nn.Module:
-    """A copy of `shard` in the HTP-friendly form; the caller's module is left as it was.
+    """A copy of `shard` in the HTP-friendly form, sharing its weights (a 3B model's shard holds
+    gigabytes of them); the caller's module is left as it was.
     n_positions: how many positions the rotary table covers (cache length + widest call).
     linear_as_conv=False keeps Linear modules, e.g. when linears are to be left to XNNPACK.
     mask_floor: the lowest mask value the scores see (quantized graphs: QUANTIZED_MASK_FLOOR)."""
     from executorch.backends.qualcomm.utils.utils import convert_linear_to_conv2d
 
-    shard = copy.deepcopy(shard)
+    shared = [*shard.parameters(), *shard.buffers()]
+    shard = copy.deepcopy(shard, memo={id(t): t for t in shared})
     if len(shard.layers):
         shard.rope = RopeTable(shard.inv_freq, n_positions)
     for layer in shard.layers.values():

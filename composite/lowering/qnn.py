@@ -18,6 +18,7 @@ import hashlib
 import importlib
 import struct
 import time
+from collections.abc import Callable
 
 import torch
 from executorch.runtime import Runtime
@@ -216,11 +217,14 @@ class QnnShardLowering:
         self.calibrated[method] += 1
         return outputs
 
-    def lower(self):
-        """-> (EdgeProgramManager, notes, the host twin's .pte bytes or None). XNNPACK takes what QNN
-        is told to skip. A weight-shared shard cannot run on the x86 simulator, so its twin without
-        weight sharing (same graphs, same quantization) is compiled too, to measure it here."""
-        graphs = self.graphs
+    def lower(self) -> tuple[LoweredShard, int, int, bytes | None]:
+        """-> (the lowered shard, whose contexts carry the spill-fill size they need, that size,
+        the bytes of its context binaries, the host twin's .pte bytes or None). XNNPACK takes what
+        QNN is told to skip. A weight-shared shard cannot run on the x86 simulator, so its twin
+        without weight sharing (same graphs, same quantization) is compiled too, to measure it
+        here. The prepared graphs, and the float weights they hold, are let go as each is
+        converted: compiling is where a QNN shard needs the most memory."""
+        graphs, self.graphs = self.graphs, None
         if self.quantized:
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
@@ -230,16 +234,10 @@ class QnnShardLowering:
                     f"no calibration inputs reached the {', '.join(missing)} method of a "
                     f"{self.options['precision']} QNN shard"
                 )
-            graphs = {method: convert_pt2e(graph) for method, graph in graphs.items()}
+            graphs = {method: convert_pt2e(graphs.pop(method)) for method in list(graphs)}
+            share_equal_constants(graphs)
             if self.native_io:
                 self.io_encodings = {m: native_io.read_params(g, *self.names[m]) for m, g in graphs.items()}
-        edge = self._to_edge(graphs, compile_spec(self.options))
-        content_signatures(edge)
-        twin = None
-        if self.options["weight_sharing"]:
-            unshared = self._to_edge(graphs, compile_spec({**self.options, "weight_sharing": False}))
-            content_signatures(unshared)
-            twin = finish(unshared, [], self.planning()).buffer
         notes = []
         if self.quantized:
             notes.append("calibrated with " + ", ".join(f"{n} {m} inputs" for m, n in self.calibrated.items()))
@@ -247,9 +245,24 @@ class QnnShardLowering:
             notes.append(
                 f"left to XNNPACK: ops {sorted(self.skip_ops) or '-'}, node ids {sorted(self.skip_ids) or '-'}"
             )
-        if twin is not None:
+        if self.options["weight_sharing"]:
             notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
-        return edge, notes, twin
+        edge = self._to_edge(graphs, compile_spec(self.options))
+        content_signatures(edge)
+        own = own_spill_fill(edge)
+        # one context per payload; the methods of a context share it (content_signatures made the
+        # signature a hash of the rest)
+        context_bytes = sum(
+            {m.processed_bytes[4:12]: len(m.processed_bytes) for m in qnn_backend_modules(edge)}.values()
+        )
+        shard = finish(edge, notes, self.planning())
+        del edge
+        twin = None
+        if self.options["weight_sharing"]:
+            unshared = self._to_edge(graphs, compile_spec({**self.options, "weight_sharing": False}))
+            content_signatures(unshared)
+            twin = finish(unshared, [], self.planning()).buffer
+        return shard, own, context_bytes, twin
 
     def _positions(self, method: str) -> tuple[dict, dict]:
         """(input position -> dtype, output position -> dtype) of the method's quantized I/O (a
@@ -266,7 +279,7 @@ class QnnShardLowering:
         quantized I/O)."""
         if not any(e.quantized for encodings in self.io_encodings.values() for e in encodings.values()):
             return None
-        return {method: native_io.planning_pass(*self._positions(method)) for method in self.graphs}
+        return {method: native_io.planning_pass(*self._positions(method)) for method in self.names}
 
     def _to_edge(self, graphs: dict, spec):
         from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
@@ -313,6 +326,25 @@ class QnnShardLowering:
             return to_edge_transform_and_lower(
                 programs, transform_passes=passes, partitioner=partitioners, compile_config=qnn_edge_config()
             )
+
+
+def share_equal_constants(graphs: dict) -> None:
+    """Constants of equal value in the methods' converted graphs (a shard's quantized weights,
+    converted once per method) made one tensor, held once while the graphs are compiled."""
+    seen: dict[tuple, torch.Tensor] = {}
+    for graph in graphs.values():
+        for node in graph.graph.nodes:
+            if node.op != "get_attr" or "." in node.target:
+                continue
+            tensor = getattr(graph, node.target, None)
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() < 1024:
+                continue
+            data = tensor.detach().contiguous()
+            key = (data.dtype, tuple(data.shape), hashlib.sha256(data.view(torch.uint8).numpy()).digest())
+            if key in seen:
+                setattr(graph, node.target, seen[key])
+            else:
+                seen[key] = tensor
 
 
 def skipped_op_set(options: dict) -> set:
@@ -427,6 +459,7 @@ def settle_spill_fill(folder, entries: list[dict]) -> int:
 class QnnLowered:
     shard: LoweredShard  # its contexts' spill-fill size is the shard's own need
     spill_fill_bytes: int
+    context_bytes: int  # its QNN context binaries' bytes: what the HTP holds of its weights and graphs
     sqnr_db: dict[str, dict[str, float]]  # method -> output name -> SQNR against the float shard
     sqnr_worst_token_db: dict[str, float]  # method -> SQNR of the main output's worst token
     io_encodings: dict  # method -> ("in" | "out", name) -> Encoding of its native I/O
@@ -434,7 +467,7 @@ class QnnLowered:
 
 
 def lower_qnn_shard(
-    module,
+    load: Callable[[], torch.nn.Module],
     examples: dict,
     names: dict,
     options: dict,
@@ -443,44 +476,56 @@ def lower_qnn_shard(
     max_seq_len: int,
     next_stream: list | None = None,
 ) -> QnnLowered:
-    """One QNN shard, from its float module to its .pte: calibrated (quantized precisions) on the
-    calls of a calibration run, its input for each being `stream` (the float model's output of the
-    shard before it; None for the embedding's shard), lowered, and measured on the held-out calls.
-    The graphs being calibrated run the calls themselves (their outputs fill the shard's cache:
-    observers leave values as they are); the float module runs the held-out calls.
+    """One QNN shard, from its float module (load() makes it; this function holds the only
+    reference, so that the float weights go before the shard is compiled) to its .pte: calibrated
+    (quantized precisions) on the calls of a calibration run, its input for each being `stream`
+    (the float model's output of the shard before it; None for the embedding's shard), lowered,
+    and measured on the held-out calls. The graphs being calibrated run the calls themselves
+    (their outputs fill the shard's cache: observers leave values as they are); the float module
+    runs the held-out calls, first, and its outputs are kept to measure the lowered shard.
 
     Quantized native I/O: each layer's cache gets one range (input and new-entry output, every
     method), and the hidden state out of the shard the range of `next_stream` (the float model's
     output of this shard, as the next shard takes it), so that two adjacent QNN shards meet
     without a conversion and neither needs the other to be calibrated."""
+    started = time.perf_counter()
+    module = load()
+    stages = {"read": time.perf_counter() - started}
     methods = {method: inputs[0].shape[1] for method, inputs in examples.items()}
     positions = max_seq_len + max(methods.values())
-    job = QnnShardLowering(module, examples, names, options, positions)
+    held_out, expected = held_out_pass(module, calls, stream, methods, max_seq_len)
     started = time.perf_counter()
-    shard = ShardReplay(module, methods, max_seq_len)
-    held_out: dict[str, tuple] = {}
-    for i, call in enumerate(calls):
-        if not (call.held_out or job.quantized):
-            continue  # an fp16 shard needs the held-out calls alone, which start a sequence of their own
-        inputs = shard.inputs(call, None if stream is None else stream[i])
-        if call.held_out:
-            held_out.setdefault(call.method, tuple(t.clone() for t in inputs))
-            shard.run(call, inputs)
-        else:
-            shard.run(call, inputs, lambda *xs, method=call.method: job.observe(method, xs))
-    stages = {}
+    job = QnnShardLowering(module, examples, names, options, positions)
     if job.quantized:
+        shard = ShardReplay(module, methods, max_seq_len)
+        for i, call in enumerate(calls):
+            if not call.held_out:
+                inputs = shard.inputs(call, None if stream is None else stream[i])
+                shard.run(call, inputs, lambda *xs, method=call.method: job.observe(method, xs))
         job.share_io_ranges(stream_ranges(calls, next_stream) if next_stream is not None else {})
         stages["calibrate"] = time.perf_counter() - started
+        del shard
+    del module
     started = time.perf_counter()
-    edge, notes, twin = job.lower()
-    own = own_spill_fill(edge)
-    shard_lowered = finish(edge, notes, job.planning())
+    lowered, own, context_bytes, twin = job.lower()
     stages["lower"] = time.perf_counter() - started
     started = time.perf_counter()
-    sqnr, worst = measure(twin or shard_lowered.buffer, module, held_out, names, job.io_encodings)
+    sqnr, worst = measure(twin or lowered.buffer, held_out, expected, names, job.io_encodings)
     stages["measure"] = time.perf_counter() - started
-    return QnnLowered(shard_lowered, own, sqnr, worst, job.io_encodings, stages)
+    return QnnLowered(lowered, own, context_bytes, sqnr, worst, job.io_encodings, stages)
+
+
+def held_out_pass(module, calls: list, stream: list | None, methods: dict, max_seq_len: int) -> tuple[dict, dict]:
+    """(method -> the shard's inputs on its held-out call, method -> the float shard's outputs
+    there). The held-out calls start a sequence of their own, so they need no other call."""
+    shard = ShardReplay(module, methods, max_seq_len)
+    inputs_by_method, outputs_by_method = {}, {}
+    for i, call in enumerate(calls):
+        if call.held_out:
+            inputs = shard.inputs(call, None if stream is None else stream[i])
+            outputs_by_method.setdefault(call.method, [t.clone() for t in shard.run(call, inputs)])
+            inputs_by_method.setdefault(call.method, tuple(t.clone() for t in inputs))
+    return inputs_by_method, outputs_by_method
 
 
 def stream_ranges(calls: list, stream: list) -> dict[str, tuple[float, float]]:
@@ -495,13 +540,13 @@ def stream_ranges(calls: list, stream: list) -> dict[str, tuple[float, float]]:
 
 
 def measure(
-    buffer: bytes, module, held_out: dict[str, tuple], names: dict[str, tuple], io_encodings: dict
+    buffer: bytes, held_out: dict[str, tuple], expected: dict[str, list], names: dict[str, tuple], io_encodings: dict
 ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """(method -> output name -> SQNR in dB, method -> SQNR of the main output's worst token)
-    of the lowered shard (its .pte bytes) against the float shard on the held-out inputs, native
-    I/O converted as the runners convert it. A trained model's residual stream holds single values
-    of ~25,000 on its first token, which dominate a whole tensor's SQNR: the worst token shows the
-    rest."""
+    of the lowered shard (its .pte bytes) against the float shard's outputs on the held-out
+    inputs, native I/O converted as the runners convert it. A trained model's residual stream
+    holds single values of ~25,000 on its first token, which dominate a whole tensor's SQNR: the
+    worst token shows the rest."""
     program = Runtime.get().load_program(buffer)
     result, worst = {}, {}
     for method in names:  # decode, then prefill, as the manifest lists methods
@@ -511,9 +556,7 @@ def measure(
         fed = [convert(t, None, encodings.get(("in", name))) for name, t in zip(input_names, inputs)]
         actual = program.load_method(method).execute(fed)
         actual = [convert(t, encodings.get(("out", name)), None) for name, t in zip(output_names, actual)]
-        with torch.no_grad():
-            expected = module(*inputs)
-        result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected, actual)}
-        main_expected, main_actual = expected[0][0], actual[0][0]  # [T, dim or vocab]
+        result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected[method], actual)}
+        main_expected, main_actual = expected[method][0][0], actual[0][0]  # [T, dim or vocab]
         worst[method] = round(min(sqnr_db(e, a) for e, a in zip(main_expected, main_actual)), 2)
     return result, worst

@@ -212,15 +212,13 @@ def _lower_cpu(work: ShardWork, examples, names, stages) -> tuple[LoweredShard, 
 def _lower_qnn(work: ShardWork, examples, names, stages) -> tuple[LoweredShard, dict, dict]:
     from composite.lowering.qnn import lower_qnn_shard
 
-    started = time.perf_counter()
-    module = load_shard(work)
-    stages["read"] = time.perf_counter() - started
     lowered = lower_qnn_shard(
-        module, examples, names, work.placement.options, work.calls, work.stream, work.max_seq_len
+        lambda: load_shard(work), examples, names, work.placement.options, work.calls, work.stream, work.max_seq_len
     )
     stages.update(lowered.stages)
     qnn = {
         "spill_fill_bytes": lowered.spill_fill_bytes,
+        "htp_context_bytes": lowered.context_bytes,
         "sqnr_db": lowered.sqnr_db,
         "sqnr_worst_token_db": lowered.sqnr_worst_token_db,
     }

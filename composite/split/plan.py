@@ -93,3 +93,40 @@ def plan_shards(args: ModelArgs, n_shards: int, layers_per_shard: list[int] | No
         specs.append(ShardSpec(i, start, start + count, has_embedding=i == 0, has_head=i == n_shards - 1))
         start += count
     return specs
+
+
+def auto_layer_counts(args: ModelArgs, capacity: list[int | None]) -> list[int]:
+    """Layers per shard when the NPU shards' size decides the cut (`layers_per_shard: auto`).
+    capacity: per shard, the most layers it can hold (a QNN shard within its HTP budget), or None
+    for a CPU shard. The decoder layers go to the NPU shards first, as many as they hold, spread
+    evenly over them; what they cannot hold goes to the CPU shards, each next layer to the one
+    with the fewest bytes so far (the embedding's and the head's count), so the CPU shards are
+    balanced. A middle shard gets at least one layer."""
+    n, n_layers = len(capacity), args.n_layers
+    middle = [0 < i < n - 1 for i in range(n)]
+    npu = [i for i, c in enumerate(capacity) if c is not None]
+    cpu = [i for i, c in enumerate(capacity) if c is None]
+    for i in npu:
+        if middle[i] and capacity[i] < 1:
+            raise UserError(f"one decoder layer alone does not fit NPU shard {i}'s budget (qnn.max_context_mb)")
+    counts = [0] * n
+    cpu_first = [i for i in cpu if middle[i]]
+    to_npu = min(sum(capacity[i] for i in npu), n_layers - len(cpu_first))
+    for _ in range(to_npu):
+        room = [i for i in npu if counts[i] < capacity[i]]
+        counts[min(room, key=lambda i: (counts[i], i))] += 1
+    for i in cpu_first:
+        counts[i] = 1
+    rest = n_layers - sum(counts)
+    if rest and not cpu:
+        raise UserError(
+            f"the NPU shards hold at most {sum(capacity[i] for i in npu)} of the model's {n_layers} layers within "
+            "their budget (qnn.max_context_mb): add shards, or raise the budget"
+        )
+    units = unit_bytes(args)
+    load = {i: units[0] * (i == 0) + units[-1] * (i == n - 1) + counts[i] * units[1] for i in cpu}
+    for _ in range(rest):
+        i = min(cpu, key=lambda j: (load[j], j))
+        counts[i] += 1
+        load[i] += units[1]
+    return counts
