@@ -30,5 +30,10 @@ setup(
     ],
     # transformers reads GGUF files with gguf and accelerate: the tests' reference for them.
     # pytest-xdist: scripts/test.sh runs the tests in two processes, one per core.
-    extras_require={"test": ["pytest", "pytest-xdist", "transformers", "accelerate", "ruff==0.17.6"]},
+    # cluster: Ray, the distributed engine of --ray (composite/executor/ray_cluster.py); the tests start
+    # a local Ray cluster of their own.
+    extras_require={
+        "cluster": ["ray==2.60.0"],
+        "test": ["pytest", "pytest-xdist", "transformers", "accelerate", "ruff==0.17.6", "ray==2.60.0"],
+    },
 )

@@ -125,6 +125,14 @@ def parse_args(argv):
         metavar="GB",
         help="what the lowering jobs may hold at once (default: 90%% of the memory available at the start)",
     )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="lower the shards on an existing Ray cluster (ADDRESS, else RAY_ADDRESS, else the one running here; "
+        "pip install -e '.[cluster]'); the same .pte files as a local export",
+    )
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
     p.add_argument(
         "--json",

@@ -52,6 +52,18 @@ class WeightSource(ABC):
                 tensors[name] = meta_to_rotate_half(tensors[name], heads)
         return tensors
 
+    def detached(self, names: Iterable[str]) -> TensorWeights:
+        """`names` held in memory, as stored where the format allows (bf16 stays bf16; GGUF's are
+        dequantized), with the same q/k reordering: what a worker without the checkpoint's file
+        (a cluster's) reads the same float32 tensors from."""
+        stored = self._stored(list(names))
+        detached = TensorWeights(stored, self.where)
+        detached.permuted = {name: heads for name, heads in self.permuted.items() if name in stored}
+        return detached
+
+    def _stored(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return self._read(names)
+
     def digests(self, names: Iterable[str]) -> dict[str, str]:
         """sha256 of each tensor's stored bytes, with its name, layout and stored type."""
         return {name: digest.hexdigest() for name, digest in self._hash(list(names)).items()}
@@ -82,6 +94,9 @@ class TensorWeights(WeightSource):
 
     def _read(self, names):
         return {name: self.tensors[name].detach().to(torch.float32).clone() for name in names}
+
+    def _stored(self, names):
+        return {name: self.tensors[name] for name in names}
 
     def _hash(self, names):
         hashes = {}
@@ -118,6 +133,9 @@ class SafetensorsWeights(WeightSource):
     def _read(self, names):
         return {name: tensor.to(torch.float32) for name, tensor in self._each(names)}
 
+    def _stored(self, names):
+        return dict(self._each(names))
+
     def _hash(self, names):
         hashes = {}
         for name, tensor in self._each(names):
@@ -141,6 +159,9 @@ class TorchFileWeights(WeightSource):
 
     def _read(self, names):
         return {name: tensor.to(torch.float32).clone() for name, tensor in self._each(names)}
+
+    def _stored(self, names):
+        return {name: tensor.clone() for name, tensor in self._each(names)}
 
     def _hash(self, names):
         hashes = {}
