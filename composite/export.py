@@ -413,11 +413,17 @@ def main(argv=None) -> None:
     config = config_from_flags(args)
     if any(p.backend == "qnn" for p in config.placements()):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
+    executor = None
+    if args.ray is not None:
+        from composite.executor.ray_cluster import RayExecutor
+
+        executor = RayExecutor(args.ray or None)  # connects now: one line before any work if it cannot
     try:
         with quiet.filtered_native_stderr(args.verbose):
             run_export(
                 config,
                 None if args.no_cache else ShardCache.from_environment(),
+                executor,
                 summary=Path(args.json) if args.json else None,
             )
     except OSError as e:

@@ -16,35 +16,57 @@ libraries on their loader path: start `ray start` after `eval "$(python -m compo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import pickle
+import signal
 import socket
 import time
+import traceback
 import urllib.parse
+from pathlib import Path
 
 from composite.errors import UserError
 from composite.executor import Done, Job, JobFailed, OnDone, Result, order_check
+from composite.executor.fork import ForkedCall
 from composite.memory import PeakMemory
 
 
 def run_job(fn, *args):
-    """A job in a Ray worker: -> (its result, where it ran, seconds, the worker's peak PSS)."""
+    """A job in a Ray worker: -> (its result, (where it ran, seconds, the worker's peak PSS)), two
+    objects, so that a job taking this one's result takes it alone."""
     started = time.perf_counter()
     with PeakMemory() as memory:
         result = fn(*args)
-    return result, f"{socket.gethostname()}:{os.getpid()}", time.perf_counter() - started, memory.peak
+    return result, (f"{socket.gethostname()}:{os.getpid()}", time.perf_counter() - started, memory.peak)
 
 
-def connect(address: str | None):
-    """ray.init on an existing cluster: ADDRESS, else RAY_ADDRESS, else the one running on this
-    machine. One line (exit 2) when Ray is not installed or nothing answers, before any work."""
+def address_of(address: str | None) -> str:
+    return address or os.environ.get("RAY_ADDRESS") or "auto"
+
+
+def check_answers(address: str) -> None:
+    """A cluster's head answers at once; ray.init would retry for minutes."""
+    if address == "auto" or "://" in address:
+        return
+    parts = urllib.parse.urlsplit(f"//{address}")
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 6379), timeout=5):
+            pass
+    except (OSError, ValueError) as e:
+        raise UserError(f"no Ray cluster answers at {address}: {e}") from None
+
+
+def connect(address: str):
+    """ray.init on an existing cluster (in the process that will be Ray's driver)."""
     try:
         import ray
     except ImportError:
         raise UserError("--ray needs Ray: pip install -e '.[cluster]' (or pip install ray)") from None
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    host = urllib.parse.urlsplit(f"//{address}").hostname if address != "auto" else None
-    options = {"_node_ip_address": "127.0.0.1"} if host in ("127.0.0.1", "localhost") else {}
+    options = {}
+    if address != "auto" and urllib.parse.urlsplit(f"//{address}").hostname in ("127.0.0.1", "localhost"):
+        options["_node_ip_address"] = "127.0.0.1"
     try:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR", **options)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -53,19 +75,31 @@ def connect(address: str | None):
     return ray
 
 
+def cluster_facts(address: str) -> tuple[int, int]:
+    """(CPUs, the most memory one node offers) of the cluster."""
+    ray = connect(address)
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    memory = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    return cpus, int(memory)
+
+
 class RayExecutor:
+    """The export's process never joins the cluster itself: Ray's core ends a driver whose
+    cluster goes away. A forked child is Ray's driver, and sends each finished job back through a
+    pipe; a child that dies is a cluster that went away, reported in one line."""
+
     shares_files = False  # workers send the .pte bytes back
 
-    def __init__(self, address: str | None = None, window: int | None = None):
-        self.ray = connect(address)
-        self.address = address or os.environ.get("RAY_ADDRESS") or "auto"
-        resources = self.ray.cluster_resources()
-        self.cpus = int(resources.get("CPU", 1))
-        self.node_memory = max(
-            (node["Resources"].get("memory", 0) for node in self.ray.nodes() if node.get("Alive")), default=0
-        )
+    def __init__(self, address: str | None = None):
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise UserError("--ray needs Ray: pip install -e '.[cluster]' (or pip install ray)") from None
+        self.address = address_of(address)
+        check_answers(self.address)
+        self.cpus, self.node_memory = _in_child(cluster_facts, self.address)  # one line now if nothing answers
         self.budget = None  # Ray packs by each job's `memory`
-        self.window = window or self.cpus + 1
+        self.window = self.cpus + 1
 
     def check_fits(self, jobs: list[Job]) -> None:
         """A job no node can hold would wait forever in Ray's queue: one line instead."""
@@ -76,60 +110,150 @@ class RayExecutor:
                     f"cluster offers ({self.node_memory / 1e9:.1f} GB): cut the model into more shards"
                 )
 
-    def portable(self, arg):
-        """A job argument as a worker without this machine's files takes it."""
-        from composite.lowering.task import ShardWork
-        from composite.model.loaded import part_names
-
-        if isinstance(arg, ShardWork):
-            spec = arg.spec
-            names = part_names(arg.args, spec.has_embedding, spec.layers, spec.has_head)
-            return dataclasses.replace(arg, weights=arg.weights.detached(names), output=None)
-        return arg
-
     def run(self, jobs: list[Job], on_done: OnDone) -> None:
-        ray = self.ray
         order_check(jobs)
         self.check_fits(jobs)
-        task = ray.remote(run_job)
-        submitted: dict[str, object] = {}  # job name -> ObjectRef of its result
-        done: set[str] = set()
-        running: dict[object, Job] = {}
-        pending = list(jobs)
+        by_name = {job.name: job for job in jobs}
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # Ray's driver
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.close(read)
+            quiet_driver()
+            with os.fdopen(write, "wb") as out:
+                try:
+                    drive(self.address, jobs, self.window, lambda *done: pickle.dump(("done", *done), out))
+                    pickle.dump(("end",), out)
+                except UserError as e:
+                    pickle.dump(("user_error", str(e)), out)
+                except JobFailed as e:
+                    pickle.dump(("job_failed", e.job.name, e.how), out)
+                except BaseException as e:
+                    pickle.dump(("error", "".join(traceback.format_exception(e))), out)
+                out.flush()
+            os._exit(0)
+        os.close(write)
+        ForkedCall.running.add(pid)
         try:
-            while pending or running:
-                for job in list(pending):
-                    if len(running) >= self.window:
-                        break
-                    if all(n in done for n in job.needs):
-                        pending.remove(job)
-                        args = [submitted[a.name] if isinstance(a, Result) else self.portable(a) for a in job.args]
-                        options = {"num_cpus": 1, "max_retries": 3, "retry_exceptions": False, "max_calls": 1}
-                        if job.memory:
-                            options["memory"] = job.memory
-                        ref = task.options(name=job.name, **options).remote(job.fn, *args)
-                        submitted[job.name] = ref
-                        running[ref] = job
-                ready, _ = ray.wait(list(running), num_returns=1)
-                for ref in ready:
-                    job = running.pop(ref)
-                    result, where, seconds, peak = self._get(ref, job)
-                    done.add(job.name)
-                    on_done(Done(job, result, seconds, where, peak))
-        except (ray.exceptions.RaySystemError, ConnectionError) as e:
-            raise UserError(f"the Ray cluster at {self.address} went away: {str(e).strip().splitlines()[0]}") from None
+            with os.fdopen(read, "rb") as pipe:
+                while True:
+                    try:
+                        message = pickle.load(pipe)
+                    except EOFError:
+                        raise UserError(
+                            f"the Ray cluster at {self.address} went away before the export was done; nothing was written"
+                        ) from None
+                    kind, *rest = message
+                    if kind == "end":
+                        return
+                    if kind == "done":
+                        name, result, where, seconds, peak = rest
+                        on_done(Done(by_name[name], result, seconds, where, peak))
+                    elif kind == "user_error":
+                        raise UserError(rest[0])
+                    elif kind == "job_failed":
+                        raise JobFailed(by_name[rest[0]], rest[1])
+                    else:
+                        raise RuntimeError(f"the Ray driver process failed:\n{rest[0]}")
         finally:
-            for ref in running:
-                ray.cancel(ref, force=True)
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            ForkedCall.running.discard(pid)
 
-    def _get(self, ref, job: Job):
-        ray = self.ray
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            if isinstance(cause, UserError):
-                raise UserError(str(cause)) from None
-            raise RuntimeError(f"{job.label} failed on the Ray cluster:\n{e}") from None
-        except (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError) as e:
-            raise JobFailed(job, f"its Ray worker died after Ray's retries ({type(e).__name__})") from None
+
+DRIVER_LOG = Path.home() / ".cache" / "composite" / "ray-driver.log"
+
+
+def quiet_driver() -> None:
+    """Ray's driver logs to its own file (DRIVER_LOG): its core prints pages when a cluster goes."""
+    DRIVER_LOG.parent.mkdir(parents=True, exist_ok=True)
+    log = os.open(DRIVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+
+
+def _in_child(fn, *args):
+    """fn(*args) in a forked child (Ray's driver state stays out of this process)."""
+
+    def quietly():
+        quiet_driver()
+        return fn(*args)
+
+    return ForkedCall(quietly).result()
+
+
+def portable(arg):
+    """A job argument as a worker without this machine's files takes it."""
+    from composite.lowering.task import ShardWork
+    from composite.model.loaded import part_names
+
+    if isinstance(arg, ShardWork):
+        spec = arg.spec
+        names = part_names(arg.args, spec.has_embedding, spec.layers, spec.has_head)
+        return dataclasses.replace(arg, weights=arg.weights.detached(names), output=None)
+    return arg
+
+
+def drive(address: str, jobs: list[Job], window: int, report) -> None:
+    """Ray's driver: submit each job when its inputs are done and a worker would be free (so
+    about one shard's weights at a time wait in the object store), report(name, result, where,
+    seconds, peak) each as it finishes."""
+    ray = connect(address)
+    task = ray.remote(max_calls=1)(run_job)
+    submitted: dict[str, object] = {}  # job name -> ObjectRef of its result
+    # An argument several jobs take (composite.tune's float model and its pass over the text) is
+    # put in the object store once.
+    uses: dict[int, int] = {}
+    for job in jobs:
+        for a in job.args:
+            uses[id(a)] = uses.get(id(a), 0) + 1
+    shared: dict[int, object] = {}
+
+    def argument(a):
+        if isinstance(a, Result):
+            return submitted[a.name]
+        if uses[id(a)] > 1:
+            if id(a) not in shared:
+                shared[id(a)] = ray.put(a)
+            return shared[id(a)]
+        return portable(a)
+
+    done: set[str] = set()
+    running: dict[object, tuple[Job, object]] = {}  # its facts' ObjectRef -> (job, its result's)
+    pending = list(jobs)
+    try:
+        while pending or running:
+            for job in list(pending):
+                if len(running) >= window:
+                    break
+                if all(n in done for n in job.needs):
+                    pending.remove(job)
+                    args = [argument(a) for a in job.args]
+                    options = {"num_cpus": 1, "max_retries": 3, "retry_exceptions": False}
+                    if job.memory:
+                        options["memory"] = job.memory
+                    ref, facts = task.options(name=job.name, num_returns=2, **options).remote(job.fn, *args)
+                    submitted[job.name] = ref
+                    running[facts] = (job, ref)
+            ready, _ = ray.wait(list(running), num_returns=1)
+            for facts in ready:
+                job, ref = running.pop(facts)
+                where, seconds, peak = _get(ray, facts, job)
+                report(job.name, _get(ray, ref, job), where, seconds, peak)
+                done.add(job.name)
+    except (ray.exceptions.RaySystemError, ConnectionError) as e:
+        raise UserError(f"the Ray cluster at {address} went away: {str(e).strip().splitlines()[0]}") from None
+
+
+def _get(ray, ref, job: Job):
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        if isinstance(cause, UserError):
+            raise UserError(str(cause)) from None
+        raise RuntimeError(f"{job.label} failed on the Ray cluster:\n{e}") from None
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError) as e:
+        raise JobFailed(job, f"its Ray worker died after Ray's retries ({type(e).__name__})") from None

@@ -36,7 +36,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
 import yaml
 
 from composite import qnn_host, shard_cache
@@ -44,9 +43,11 @@ from composite.config import ROTATIONS, build_config
 from composite.errors import UserError, exits_cleanly
 from composite.eval.__main__ import read_text
 from composite.eval.scoring import SCORE_MODES
+from composite.executor import Job
 from composite.executor.fork import ForkedCall, split_work
-from composite.export import bos_id, versions
-from composite.manifest import sha256_file
+from composite.export import bos_id
+from composite.lowering.task import one_thread
+from composite.manifest import sha256_file, versions
 from composite.model.checkpoint import load_checkpoint
 from composite.model.rotation import rotate
 from composite.tokenizer import tokenizer_for_model
@@ -116,6 +117,14 @@ def parse_args(argv):
         type=int,
         help="--verify measures the text's first N tokens, whole chunks of --ctx (default --limit-tokens; "
         "QNN shards on the simulator evaluate about a token a second)",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="measure each (layer group, candidate) as a task on an existing Ray cluster (ADDRESS, else "
+        "RAY_ADDRESS, else the one running here); the same YAML as a local run",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
@@ -204,7 +213,14 @@ def measure_cost(group: Group, choice) -> float:
 
 
 def measure(sens: Sensitivity, pairs: list) -> dict:
-    """(group index, choice name) -> {"kld", "top1", "seconds"} for `pairs`, measured here."""
+    """(group index, choice name) -> {"kld", "top1", "seconds"} for `pairs`, measured here, on one
+    thread (the figures do not depend on where they are measured: here, a forked process, a Ray
+    worker)."""
+    with one_thread():
+        return measure_here(sens, pairs)
+
+
+def measure_here(sens: Sensitivity, pairs: list) -> dict:
     qnn_quantized = [
         (g, c) for g, c in pairs if isinstance(c, Candidate) and c.backend == "qnn" and c.precision != "fp16"
     ]
@@ -225,38 +241,45 @@ def measure(sens: Sensitivity, pairs: list) -> dict:
     return results
 
 
-def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cache: ResultCache) -> dict:
+def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cache: ResultCache, executor=None) -> dict:
     """(group index, choice name) -> {"kld", "top1", "seconds", "cached"}. What the cache does not
     hold is measured in two processes (a fork of this one takes about half of the groups, each
     process builds and calibrates its own groups' QNN graphs): measuring is mostly one thread of
-    Python and small tensors, which leaves the second core of a small machine idle otherwise."""
+    Python and small tensors, which leaves the second core of a small machine idle otherwise.
+    executor (--ray): each (group, choice) a job of its own on the cluster instead."""
     pairs = [(g, c) for g in groups for c in choices_for(g, candidates, embedding)]
     key = {(g.index, choice_name(c)): f"{g.name}|{choice_name(c)}" for g, c in pairs}
     todo = [(g, c) for g, c in pairs if cache.get(key[(g.index, choice_name(c))]) is None]
     if todo:
         print(f"measuring {len(todo)} choices ...", file=sys.stderr, flush=True)
-    load = {g.index: sum(measure_cost(g, c) for h, c in todo if h is g) for g in groups}
-    mine, theirs = split_work({index: cost for index, cost in load.items() if cost})
-    worker = None
-    if mine and theirs:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # one core each (the worker sets its own)
-        worker = ForkedCall(measure, (sens, [(g, c) for g, c in todo if g.index in theirs]))
-    try:
-        results = measure(sens, [(g, c) for g, c in todo if worker is None or g.index in mine])
-        if worker is not None:
-            results.update(worker.result())
-            worker = None
-            torch.set_num_threads(threads)
-    finally:
-        if worker is not None:
-            worker.stop()
+    if executor is not None:
+        results: dict = {}
+        jobs = [Job(f"measure {key[(g.index, choice_name(c))]}", measure, (sens, [(g, c)])) for g, c in todo]
+        executor.run(jobs, lambda done: results.update(done.result))
+    else:
+        results = measure_in_two_processes(sens, groups, todo)
     for (index, name), result in results.items():
         cache.put(key[(index, name)], result)
     return {
         (g.index, choice_name(c)): {**cache.get(key[(g.index, choice_name(c))]), "cached": (g, c) not in todo}
         for g, c in pairs
     }
+
+
+def measure_in_two_processes(sens: Sensitivity, groups, todo: list) -> dict:
+    """measure() of `todo`, about half of the groups' choices in a forked process."""
+    load = {g.index: sum(measure_cost(g, c) for h, c in todo if h is g) for g in groups}
+    mine, theirs = split_work({index: cost for index, cost in load.items() if cost})
+    worker = ForkedCall(measure, (sens, [(g, c) for g, c in todo if g.index in theirs])) if mine and theirs else None
+    try:
+        results = measure(sens, [(g, c) for g, c in todo if worker is None or g.index in mine])
+        if worker is not None:
+            results.update(worker.result())
+            worker = None
+    finally:
+        if worker is not None:
+            worker.stop()
+    return results
 
 
 def options_per_group(groups, candidates, embedding, measured, model_args, group_size, rotation) -> list[list[Option]]:
@@ -398,7 +421,7 @@ def verify(args, config_path: Path, has_qnn: bool, ctx: int, limit_tokens: int |
         }
 
 
-def tune(args) -> dict:
+def tune(args, executor=None) -> dict:
     check_args(args)
     candidates = parse_candidates(args.candidates)
     embedding = parse_embedding(args.embedding)
@@ -462,7 +485,7 @@ def tune(args) -> dict:
         args.group_size,
         args.soc,
     )
-    measured = measure_sensitivities(sens, groups, candidates, embedding, cache)
+    measured = measure_sensitivities(sens, groups, candidates, embedding, cache, executor)
     per_group = options_per_group(groups, candidates, embedding, measured, model.args, args.group_size, args.rotate)
     recipes = frontier(per_group)
     budget_bytes = int(args.budget_mb * MB)
@@ -608,8 +631,13 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, terminated)
     if any(c.backend == "qnn" and c.precision != "fp16" for c in parse_candidates(args.candidates)):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
+    executor = None
+    if args.ray is not None:
+        from composite.executor.ray_cluster import RayExecutor
+
+        executor = RayExecutor(args.ray or None)  # connects now: one line before any work if it cannot
     with quiet.filtered_native_stderr(args.verbose):
-        result = tune(args)
+        result = tune(args, executor)
     if args.json:
         print(json.dumps(result))
     else:
