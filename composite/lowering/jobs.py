@@ -83,7 +83,7 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
 
         # A quantized QNN shard's hidden output gets the range of the float chain's output of it.
         ranged = [i for i in indices if placements[i].options["precision"] != "fp16" and not specs[i].has_head]
-        for index in range(max(max(indices) - 1, *ranged) + 1):
+        for index in range(max([max(indices) - 1, *ranged]) + 1):
             shard_work = work(index, calls=calls)
             float_jobs.append(
                 Job(
