@@ -10,6 +10,7 @@ say) is reported as such (ProcessDied), with how it died.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import signal
@@ -61,7 +62,10 @@ class ForkedCall:
             except UserError as e:
                 payload = ("user_error", str(e))
             except BaseException as e:
-                payload = ("error", "".join(traceback.format_exception(e)))
+                if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # the caller says it in one line
+                    payload = ("no_space", e.filename)
+                else:
+                    payload = ("error", "".join(traceback.format_exception(e)))
             try:
                 with os.fdopen(write, "wb") as out:
                     pickle.dump(payload, out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -91,6 +95,8 @@ class ForkedCall:
             raise ProcessDied(pid, exit_status)
         if status == "user_error":
             raise UserError(value)
+        if status == "no_space":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), value)
         if status == "error":
             raise RuntimeError(value)
         return value
