@@ -1,4 +1,4 @@
-"""The README's quality table, on demand: each placement of a checkpoint exported, then scored by
+"""docs/quality.md's table, on demand: each placement of a checkpoint exported, then scored by
 composite.eval against the float model (--reference eager) on real text.
 
     python scripts/quality_table.py --checkpoint checkpoints/SmolLM2-135M-Instruct.Q4_1.gguf \\
@@ -16,6 +16,10 @@ the checkpoint dequantized by `llama-quantize --allow-requantize` (the same floa
 export reads), Q8_0 / Q4_0 / Q4_1 are quantized from it with llama-quantize's default tensor types,
 and `llama-perplexity --kl-divergence` scores each against F32's stored probabilities on the same
 text, ctx and number of chunks (it scores the second half of each chunk).
+
+--ray [ADDRESS] runs each of our rows (its export and its eval) as a job on a Ray cluster: the
+checkpoint's and the text's bytes travel through the object store, each row works in a scratch
+folder of its node, and rows are printed as they finish. The llama.cpp rows run here.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from composite.errors import UserError, exits_cleanly  # noqa: E402
 from composite.model.checkpoint import load_checkpoint  # noqa: E402
 
 # XNNPACK rows: the embedding alone in shard 0, the layers in two more (--layers-per-shard is set per
@@ -120,6 +125,7 @@ def parse_args(argv):
         "--llama-cpp", default=str(LLAMA_CPP_DEFAULT), help=f"llama.cpp's build (default {LLAMA_CPP_DEFAULT})"
     )
     p.add_argument("--workdir", help="keep the exports here")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run our rows as jobs on a Ray cluster")
     args = p.parse_args(argv)
     unknown = [row for row in args.rows.split(",") if row not in every]
     if unknown:
@@ -135,10 +141,14 @@ def parse_args(argv):
 
 
 def run(command: list[str]) -> str:
+    """One of our CLIs; a failure is an exception (a Ray worker must not exit), its last line said."""
     print("$ " + " ".join(command), file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, *command], cwd=REPO if REPO.is_dir() else None, capture_output=True, text=True
+    )
     if done.returncode != 0:
-        sys.exit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr}")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"{' '.join(command)} failed ({done.returncode}): {last}")
     return done.stdout
 
 
@@ -208,30 +218,84 @@ def print_row(label: str, size_mb: float, result: dict) -> None:
     )
 
 
+def row_flags(row: str, n_layers: int) -> list[str]:
+    flags = ROWS[row][1]
+    if flags[:2] == XNNPACK:
+        flags = [*flags, "--layers-per-shard", f"0,{n_layers // 2},{n_layers - n_layers // 2}"]
+    return flags
+
+
+def measure_row(row: str, flags: list[str], checkpoint: Path, text: Path, ctx: int, limit: int, folder: Path) -> tuple:
+    """One row: its export into `folder` and composite.eval of it. -> (row, size MB, eval's result)."""
+    export = ["-m", "composite.export", *flags, "--checkpoint", str(checkpoint)]
+    run([*export, "--max-seq-len", str(ctx), "--output", str(folder)])
+    evaluate = ["-m", "composite.eval", "--artifacts", str(folder), "--text", str(text)]
+    evaluate += ["--ctx", str(ctx), "--limit-tokens", str(limit), "--score", "second-half"]
+    result = json.loads(run([*evaluate, "--reference", "eager", "--json"]))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    return row, sum(shard["size"] for shard in manifest["shards"]) / 1e6, result
+
+
+def checkpoint_files(path: Path) -> tuple[str, dict[str, bytes]]:
+    """(what --checkpoint names in the folder, name -> bytes of every file it needs): a folder's
+    files, or a file with the params.json and tokenizer.model beside it."""
+    if path.is_dir():
+        return ".", {f.name: f.read_bytes() for f in path.iterdir() if f.is_file()}
+    beside = [path.parent / name for name in ("params.json", "tokenizer.model") if (path.parent / name).is_file()]
+    return path.name, {f.name: f.read_bytes() for f in [path, *beside]}
+
+
+def measure_row_anywhere(row: str, flags: list[str], checkpoint: tuple, text: bytes, ctx: int, limit: int) -> tuple:
+    """measure_row on a node that has neither file: checkpoint = checkpoint_files()."""
+    name, files = checkpoint
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        (folder / "checkpoint").mkdir()
+        for file, data in files.items():
+            (folder / "checkpoint" / file).write_bytes(data)
+        (folder / "text.txt").write_bytes(text)
+        return measure_row(row, flags, folder / "checkpoint" / name, folder / "text.txt", ctx, limit, folder / row)
+
+
+@exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
-    n_layers = load_checkpoint(args.checkpoint, None).model.args.n_layers
+    n_layers = load_checkpoint(args.checkpoint, None).args.n_layers
+    rows = args.rows.split(",")
+    ours = [row for row in rows if row not in LLAMA_CPP_ROWS]
+
+    def limit(row: str) -> int:
+        return args.qnn_limit_tokens if row.startswith("qnn") else args.limit_tokens
+
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(args.workdir or scratch)
         print("| placement | size MB | tokens | PPL | PPL ratio | mean KLD | KLD p99 | top-1 | RMS Δp |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for row in args.rows.split(","):
+        if args.ray is not None:
+            from composite.executor import Job, from_ray_flag
+
+            checkpoint = checkpoint_files(Path(args.checkpoint))
+            text = Path(args.text).read_bytes()
+            jobs = [
+                Job(
+                    f"row {row}",
+                    measure_row_anywhere,
+                    (row, row_flags(row, n_layers), checkpoint, text, args.ctx, limit(row)),
+                )
+                for row in ours
+            ]
+            from_ray_flag(args.ray).run(jobs, lambda done: print_row(ROWS[done.result[0]][0], *done.result[1:]))
+        else:
+            for row in ours:
+                folder = workdir / row
+                _, size, result = measure_row(
+                    row, row_flags(row, n_layers), Path(args.checkpoint), Path(args.text), args.ctx, limit(row), folder
+                )
+                print_row(ROWS[row][0], size, result)
+        for row in rows:
             if row in LLAMA_CPP_ROWS:
                 result = llama_cpp_row(args, workdir, LLAMA_CPP_ROWS[row])
                 print_row(f"llama.cpp {LLAMA_CPP_ROWS[row]} (against its F32)", result["size_mb"], result)
-                continue
-            label, flags = ROWS[row]
-            folder = workdir / row
-            if flags[:2] == XNNPACK:
-                flags = [*flags, "--layers-per-shard", f"0,{n_layers // 2},{n_layers - n_layers // 2}"]
-            export = ["-m", "composite.export", *flags, "--checkpoint", args.checkpoint]
-            run([*export, "--max-seq-len", str(args.ctx), "--output", str(folder)])
-            limit = args.qnn_limit_tokens if row.startswith("qnn") else args.limit_tokens
-            evaluate = ["-m", "composite.eval", "--artifacts", str(folder), "--text", args.text]
-            evaluate += ["--ctx", str(args.ctx), "--limit-tokens", str(limit), "--score", "second-half"]
-            result = json.loads(run([*evaluate, "--reference", "eager", "--json"]))
-            manifest = json.loads((folder / "manifest.json").read_text())
-            print_row(label, sum(shard["size"] for shard in manifest["shards"]) / 1e6, result)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 with seeded random weights exported, run, and set beside llama.cpp's Q4_0 of the same weights.
 
     python scripts/scale_probe.py                      # 1B and 3B XNNPACK, the 3B hybrid, llama.cpp
-    python scripts/scale_probe.py --shapes 1b --no-hybrid --rounds 3
+    python scripts/scale_probe.py --shapes 1b --recipes xnnpack --rounds 3
+    python scripts/scale_probe.py --shapes 3b --recipes hybrid     # resumes a killed run (--work/cache)
 
 For each shape it writes the checkpoint once (composite/bench/shapes.py: a Hugging Face folder,
 bf16, 2.5 / 6.4 GB) under --work, then:
@@ -13,7 +14,7 @@ bf16, 2.5 / 6.4 GB) under --work, then:
 - converts the checkpoint with llama.cpp's convert_hf_to_gguf.py and llama-quantize Q4_0 (its
   default mix: the tied table as Q6_K) and runs llama-bench on the same prompt and token counts,
   the two runners' rounds interleaved.
-Prints one markdown table and writes --work/scale_probe.json. QNN shards of the hybrid export run
+Prints one markdown table and writes --work/scale_probe-SHAPES-RECIPES.json. QNN shards of the hybrid export run
 on the x86 HTP simulator only when measured by the export itself (its SQNR); their speed here says
 nothing about a phone, so the hybrid is exported, not benchmarked.
 """
@@ -40,7 +41,9 @@ RECIPES = {
     "1b": ["--shards", "4", "--quantize", "8da4w", "--embedding-quantize", "4,32", "--max-seq-len", "512"],
     "3b": ["--shards", "6", "--quantize", "8da4w", "--embedding-quantize", "4,32", "--max-seq-len", "512"],
 }
-HYBRID = ["--config", str(REPO / "configs" / "llama3_2_3b_hybrid.yaml")]
+# The hybrid as the config has it, in the memory the scale issue sets it (8 GB): the export runs
+# as many lowering jobs at once as their estimates fit in it.
+HYBRID = ["--config", str(REPO / "configs" / "llama3_2_3b_hybrid.yaml"), "--max-memory", "8"]
 
 
 def checkpoint(work: Path, shape: str) -> Path:
@@ -136,19 +139,24 @@ def main() -> None:
     p.add_argument(
         "--work", default=str(Path.home() / ".cache" / "composite" / "scale"), help="checkpoints and outputs"
     )
-    p.add_argument("--no-hybrid", action="store_true", help="skip the 3B hybrid (QNN) export")
+    p.add_argument("--recipes", default="xnnpack,hybrid", help="comma separated: xnnpack, hybrid (3B only)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--llama-cpp", help="llama.cpp folder (default: what scripts/build_llama_cpp.sh builds)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved runner rounds per shape")
-    p.add_argument("--cached", action="store_true", help="let the exports use the shard cache (default: lower all)")
+    p.add_argument(
+        "--cached",
+        action="store_true",
+        help="keep each lowered shard in --work/cache, so a run that was stopped resumes (default: lower all)",
+    )
     args = p.parse_args()
+    recipes = set(args.recipes.split(","))
+    if not recipes <= {"xnnpack", "hybrid"}:
+        raise SystemExit(f"--recipes: xnnpack and/or hybrid, got {args.recipes}")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ}
-    if not args.cached:
-        env["COMPOSITE_CACHE"] = "off"
+    env = {**os.environ, "COMPOSITE_CACHE": str(work / "cache") if args.cached else "off"}
     llama_cpp = None
-    if not args.no_llama_cpp:
+    if not args.no_llama_cpp and "xnnpack" in recipes:
         built = subprocess.run(["bash", str(REPO / "scripts" / "build_llama_cpp.sh")], capture_output=True, text=True)
         if built.returncode != 0:
             raise SystemExit(f"scripts/build_llama_cpp.sh failed: {built.stderr.strip().splitlines()[-1:]}")
@@ -156,26 +164,34 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         folder = checkpoint(work, shape)
-        row = {
-            "shape": shape,
-            "recipe": " ".join(RECIPES[shape]),
-            "export": export(folder, RECIPES[shape], work / f"export-{shape}", env),
-        }
-        if llama_cpp is not None:
-            gguf = llama_cpp_q4_0(llama_cpp, folder, work)
-            row["gguf_bytes"] = gguf.stat().st_size
-        ours, theirs = [], []
-        for _ in range(args.rounds):
-            ours.append(run_ours(work / f"export-{shape}"))
-            if llama_cpp is not None:
-                theirs.append(run_llama_cpp(llama_cpp, gguf))
-        row["ours"], row["llama_cpp"] = ours, theirs
-        results.append(row)
-        if shape == "3b" and not args.no_hybrid:
+        if "xnnpack" in recipes:
+            results.append(xnnpack_row(shape, folder, work, env, llama_cpp, args.rounds))
+        if shape == "3b" and "hybrid" in recipes:
             hybrid = export(folder, HYBRID, work / "export-3b-hybrid", env)
             results.append({"shape": "3b", "recipe": "configs/llama3_2_3b_hybrid.yaml", "export": hybrid})
-    (work / "scale_probe.json").write_text(json.dumps(results, indent=1) + "\n")
+    (work / f"scale_probe-{args.shapes.replace(',', '-')}-{args.recipes.replace(',', '-')}.json").write_text(
+        json.dumps(results, indent=1) + "\n"
+    )
     print_table(results)
+
+
+def xnnpack_row(shape: str, folder: Path, work: Path, env: dict, llama_cpp: Path | None, rounds: int) -> dict:
+    """The XNNPACK export of `shape`, then our runner and llama.cpp's Q4_0 in interleaved rounds."""
+    row = {
+        "shape": shape,
+        "recipe": " ".join(RECIPES[shape]),
+        "export": export(folder, RECIPES[shape], work / f"export-{shape}", env),
+    }
+    if llama_cpp is not None:
+        gguf = llama_cpp_q4_0(llama_cpp, folder, work)
+        row["gguf_bytes"] = gguf.stat().st_size
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(run_ours(work / f"export-{shape}"))
+        if llama_cpp is not None:
+            theirs.append(run_llama_cpp(llama_cpp, gguf))
+    row["ours"], row["llama_cpp"] = ours, theirs
+    return row
 
 
 def print_table(results: list[dict]) -> None:
