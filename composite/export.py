@@ -18,7 +18,6 @@ if __name__ == "__main__" and "--verbose" not in sys.argv:
 
 import argparse
 import errno
-import json
 import os
 import shutil
 import signal
@@ -26,28 +25,26 @@ import time
 import uuid
 from pathlib import Path
 
-from tqdm import tqdm
-
 from composite import chat_template, qnn_host, shard_cache, staging
 from composite import manifest as manifest_schema
 from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
 from composite.errors import Failure, UserError, exits_cleanly
-from composite.executor import Done, JobFailed
+from composite.executor import Done, JobFailed, from_ray_flag
 from composite.executor.fork import ForkedCall
 from composite.executor.local import LocalExecutor, default_workers
-from composite.export_report import print_summary
+from composite.export_report import JobProgress, print_summary, write_summary
 from composite.lowering import embedding
 from composite.lowering.htp_limits import check_placement, layer_capacity
 from composite.lowering.jobs import lowering_jobs, shard_file
 from composite.lowering.qnn import settle_spill_fill
 from composite.lowering.task import ShardLowered, lower_task
-from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo
+from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo, memory_budget
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
 from composite.model.loaded import LoadedModel
 from composite.shard_cache import ShardCache
 from composite.split.plan import ShardSpec, auto_layer_counts, plan_shards
-from composite.tokenizer import Tokenizer, tokenizer_for_model
+from composite.tokenizer import Tokenizer, generation_stop_ids, prompt_bos_id, tokenizer_for_model
 
 
 def parse_args(argv):
@@ -94,8 +91,7 @@ def parse_args(argv):
     p.add_argument(
         "--attention",
         choices=["graph", "kernel"],
-        help="XNNPACK shards' decode attention: composite::attention over the valid cache slots (kernel, the "
-        "default), or masked matmuls over every slot in the graph",
+        help="XNNPACK decode attention: composite::attention over the valid slots (default), or masked matmuls",
     )
     p.add_argument(
         "--embedding-quantize",
@@ -104,10 +100,8 @@ def parse_args(argv):
     p.add_argument(
         "--rotate",
         choices=["auto", *ROTATIONS],
-        help="rotate the residual stream by a randomized Hadamard matrix folded into the weights (the same model "
-        "in float, easier to quantize); hadamard-ffn also rotates each feed-forward's hidden activation at run "
-        "time; auto (the default): when some shard has 8-bit weights (8da8w, 16a8w, 8a8w, 16a16w) and none "
-        "4-bit ones (8da4w, 16a4w), hadamard-ffn if those shards are all XNNPACK ones, else hadamard",
+        help="rotate the residual stream (hadamard), and each feed-forward's hidden activation (hadamard-ffn): "
+        "the same model, easier to quantize; auto (default): rotated where every quantized weight is 8-bit",
     )
     p.add_argument(
         "--qnn-precision",
@@ -130,21 +124,14 @@ def parse_args(argv):
         nargs="?",
         const="",
         metavar="ADDRESS",
-        help="lower the shards on an existing Ray cluster (ADDRESS, else RAY_ADDRESS, else the one running here; "
-        "pip install -e '.[cluster]'); the same .pte files as a local export",
+        help="lower the shards on a Ray cluster (ADDRESS, else RAY_ADDRESS, else the local one): the same bytes",
     )
     p.add_argument("--output", help="artifacts folder (default ./artifacts)")
-    p.add_argument(
-        "--json",
-        metavar="PATH",
-        help="also write the summary as JSON: each shard's job (where it ran, seconds, peak memory, stages), "
-        "the export's stages and peak memory",
-    )
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON: stages, peaks, each shard's job")
     p.add_argument(
         "--no-cache",
         action="store_true",
-        help="lower every shard and store none (default: reuse and store lowered shards in ~/.cache/composite/shards, "
-        "or COMPOSITE_CACHE; COMPOSITE_CACHE=off is --no-cache)",
+        help="lower every shard, store none (default: ~/.cache/composite/shards, or COMPOSITE_CACHE; =off is this)",
     )
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
@@ -170,23 +157,18 @@ def lower_all(
     watch = watch or Stopwatch()
     with watch.stage("cache keys"):
         keys = shard_cache.export_keys(loaded, specs, placements, config, tokenizer, bos) if cache else {}
-    entries: dict[int, dict] = {}
-    for spec in specs:
-        hit = cache.get(keys[spec.index], folder, shard_file(spec)) if cache is not None else None
-        if hit is not None:
-            entries[spec.index] = {"index": spec.index, "file": shard_file(spec), **hit, "cache": "hit"}
+    entries = shard_cache.hits(cache, keys, folder, {spec.index: shard_file(spec) for spec in specs})
     missing = [spec.index for spec in specs if spec.index not in entries]
     executor = executor or LocalExecutor(default_workers())
     write_to = folder if executor.shares_files else None
     jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing, write_to)
-    check_fits(jobs, executor.budget)
     runs: dict[int, dict] = {}
-    lowered = [job for job in jobs if job.fn is lower_task]
-    progress = tqdm(total=len(lowered), desc="lowering shards", unit="shard", file=sys.stderr, disable=not lowered)
+    progress = JobProgress([job for job in jobs if job.fn is lower_task])
 
     def done(finished: Done) -> None:
         if finished.job.fn is not lower_task:
             return
+        progress.finished(finished.job)
         result: ShardLowered = finished.result
         spec, placement = specs[result.index], placements[result.index]
         path = folder / shard_file(spec)
@@ -194,42 +176,25 @@ def lower_all(
             path.write_bytes(result.shard.buffer)
         entry = manifest_schema.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
         entries[spec.index] = {**entry, **result.qnn}
-        store(cache, keys, entries[spec.index], folder)
+        shard_cache.store(cache, keys, entries[spec.index], folder)
         runs[spec.index] = {
             "seconds": finished.seconds,
             "where": finished.where,
             "peak_bytes": finished.peak_bytes,
             "stages": result.stages,
         }
-        progress.update()
 
     try:
         with watch.stage("lowering"):
-            executor.run(jobs, done)
+            executor.run(jobs, done, progress.started)
     finally:
         progress.close()
     shards = [entries[i] for i in sorted(entries)]
     if not any(p.backend == "qnn" for p in placements):
         return shards, None, runs
     with watch.stage("spill-fill"):
-        shared = settle_spill_fill(folder, shards)
-    calibration = [r["stages"]["calibrate"] for r in runs.values() if "calibrate" in r["stages"]]
-    host = qnn_host.prepare()
-    summary = {
-        "build_id": host.build_id,
-        "libraries": host.source,
-        "spill_fill_bytes": shared,
-        "calibration_seconds": round(sum(calibration), 2) if calibration else None,
-    }
+        summary = settle_spill_fill(folder, shards, [run["stages"] for run in runs.values()])
     return shards, summary, runs
-
-
-def store(cache: ShardCache | None, keys: dict, entry: dict, folder: Path) -> None:
-    if cache is None:
-        entry["cache"] = "off"
-        return
-    cache.put(keys[entry["index"]], folder / entry["file"], entry)
-    entry["cache"] = "stored"
 
 
 def build_manifest(
@@ -258,31 +223,13 @@ def build_manifest(
         prefill_len=config.prefill_len,
         cache_shapes=cache_shapes(args, config.max_seq_len),
         tokenizer=tokenizer_entry,
-        bos_id=bos_id(loaded, tokenizer),
-        eos_ids=stop_ids(loaded, tokenizer, chat),
+        bos_id=prompt_bos_id(loaded, tokenizer),
+        eos_ids=generation_stop_ids(loaded, tokenizer, chat),
         chat=chat,
         shards=shards,
         qnn=qnn_summary,
         versions=manifest_schema.versions(),
     )
-
-
-def stop_ids(loaded: LoadedModel, tokenizer: Tokenizer | None, chat: dict | None) -> list[int]:
-    """Every id that ends generation: the checkpoint's, the tokenizer's, the chat template's end of turn."""
-    ids = set(loaded.eos_ids) | set(tokenizer.eos_ids if tokenizer else ())
-    if chat is not None:
-        ids.add(chat["end_of_turn_id"])
-    return sorted(ids)
-
-
-def bos_id(loaded: LoadedModel, tokenizer: Tokenizer | None) -> int | None:
-    """A tokenizer.json's post-processor decides BOS, as transformers applies it; otherwise the
-    checkpoint's config, then the tokenizer."""
-    if tokenizer is not None and tokenizer.kind == "hf_json":
-        return tokenizer.bos_id
-    if loaded.bos_id is not None:
-        return loaded.bos_id
-    return tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id >= 0 else None
 
 
 def run_export(
@@ -314,11 +261,15 @@ def run_export(
             if config.embedding_bits_and_group() is not None:
                 embedding.check(loaded.args.dim, *config.embedding_bits_and_group())
             tokenizer = tokenizer_for_model(config.tokenizer or loaded.tokenizer_path, loaded.args.vocab_size)
-            first_bos = bos_id(loaded, tokenizer)
+            first_bos = prompt_bos_id(loaded, tokenizer)
             chat = chat_template.chat_entry(
-                tokenizer, first_bos, stop_ids(loaded, tokenizer, None), config.chat_template, loaded.chat_template
+                tokenizer,
+                first_bos,
+                generation_stop_ids(loaded, tokenizer, None),
+                config.chat_template,
+                loaded.chat_template,
             )
-            budget = memory_budget(config)
+            budget = memory_budget(config.max_memory_gb)
             executor = executor or LocalExecutor(default_workers(), budget, memory)
             shards, qnn_summary, runs = lower_all(
                 loaded, specs, placements, config, tokenizer, folder, first_bos, cache, executor, watch
@@ -345,17 +296,6 @@ def run_export(
     return output
 
 
-def check_fits(jobs: list, budget: int | None) -> None:
-    """One line, before any work, for a job expected to need more memory than the export may use."""
-    for job in jobs:
-        if budget is not None and job.memory > budget:
-            raise UserError(
-                f"{job.label} is expected to need about {job.memory / 1e9:.1f} GB to lower, more than the "
-                f"{budget / 1e9:.1f} GB this export may use (--max-memory, or 90% of what is free): cut the model "
-                "into more shards (--shards, layers_per_shard) or allow more memory"
-            )
-
-
 def plan(args, config: ExportConfig, placements: list[Placement]) -> list[ShardSpec]:
     """The shards: layers as config.layers_per_shard says; `auto` fills the QNN shards up to
     their HTP budget (split/plan.py, lowering/htp_limits.py)."""
@@ -373,31 +313,6 @@ def plan(args, config: ExportConfig, placements: list[Placement]) -> list[ShardS
     return plan_shards(args, n, counts)
 
 
-def write_summary(path: Path, shards, runs, watch, peaks, seconds: float, output: Path) -> None:
-    keep = ("index", "file", "size", "layers", "backends", "cache", "spill_fill_bytes", "htp_context_bytes", "sqnr_db")
-    document = {
-        "output": str(output),
-        "seconds": round(seconds, 2),
-        "peak_bytes": peaks[0],
-        "main_process_peak_bytes": peaks[1],
-        "stages": {k: round(v, 2) for k, v in watch.seconds.items()},
-        "shards": [{**{k: s[k] for k in keep if k in s}, "job": runs.get(s["index"])} for s in shards],
-    }
-    try:
-        Path(path).write_text(json.dumps(document, indent=1) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot write --json {path}: {e.strerror}") from None
-
-
-def memory_budget(config: ExportConfig) -> int | None:
-    """What the lowering jobs running at once may be expected to hold: max_memory_gb, else most of
-    what is free now."""
-    if config.max_memory_gb is not None:
-        return int(config.max_memory_gb * 1e9)
-    available = meminfo("MemAvailable")
-    return None if available is None else int(available * 0.9)
-
-
 def terminated(signum, _frame):
     """Clean up here and leave at once. An exception raised from a signal handler can land where
     Python ignores it (a fork hook, a finalizer: seen in CI), and the export would carry on."""
@@ -413,11 +328,7 @@ def main(argv=None) -> None:
     config = config_from_flags(args)
     if any(p.backend == "qnn" for p in config.placements()):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
-    executor = None
-    if args.ray is not None:
-        from composite.executor.ray_cluster import RayExecutor
-
-        executor = RayExecutor(args.ray or None)  # connects now: one line before any work if it cannot
+    executor = from_ray_flag(args.ray)
     try:
         with quiet.filtered_native_stderr(args.verbose):
             run_export(

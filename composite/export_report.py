@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from composite.config import Placement
+from composite.errors import UserError
 from composite.memory import Stopwatch, gb
 
 
@@ -117,3 +122,47 @@ def print_summary(
         f"{len(shards)} shards{reused}, {total / 1e6:.2f} MB, {total_seconds:.1f} s, peak memory {gb(every)} "
         f"(summed PSS of the export's processes; {gb(own)} its main process) -> {output}"
     )
+
+
+def write_summary(path: Path, shards, runs, watch, peaks, seconds: float, output: Path) -> None:
+    """--json: the summary print_summary shows, for scripts (scripts/scale_probe.py reads it)."""
+    keep = ("index", "file", "size", "layers", "backends", "cache", "spill_fill_bytes", "htp_context_bytes", "sqnr_db")
+    document = {
+        "output": str(output),
+        "seconds": round(seconds, 2),
+        "peak_bytes": peaks[0],
+        "main_process_peak_bytes": peaks[1],
+        "stages": {k: round(v, 2) for k, v in watch.seconds.items()},
+        "shards": [{**{k: s[k] for k in keep if k in s}, "job": runs.get(s["index"])} for s in shards],
+    }
+    try:
+        Path(path).write_text(json.dumps(document, indent=1) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write --json {path}: {e.strerror}") from None
+
+
+class JobProgress:
+    """The bar of the export's lowering jobs: how many are done, and which are running now (on
+    this machine or across a Ray cluster)."""
+
+    def __init__(self, jobs: list, desc: str = "lowering shards"):
+        self.names = {job.name for job in jobs}
+        self.running: list[str] = []
+        self.bar = tqdm(total=len(jobs), desc=desc, unit="shard", file=sys.stderr, disable=not jobs)
+
+    def started(self, job) -> None:
+        if job.name in self.names:
+            self.running.append(job.label or job.name)
+            self._show()
+
+    def finished(self, job) -> None:
+        if job.name in self.names:
+            self.running.remove(job.label or job.name)
+            self.bar.update()
+            self._show()
+
+    def _show(self) -> None:
+        self.bar.set_postfix_str(f"running: {', '.join(self.running)}" if self.running else "", refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()

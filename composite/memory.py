@@ -76,6 +76,15 @@ def meminfo(field: str) -> int | None:
     return None
 
 
+def memory_budget(max_memory_gb: float | None) -> int | None:
+    """What the lowering jobs running at once may be expected to hold: max_memory_gb, else most of
+    what is free now."""
+    if max_memory_gb is not None:
+        return int(max_memory_gb * 1e9)
+    available = meminfo("MemAvailable")
+    return None if available is None else int(available * 0.9)
+
+
 def gb(value: int | None) -> str:
     return "?" if value is None else f"{value / 1e9:.2f} GB"
 

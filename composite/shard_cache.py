@@ -135,6 +135,25 @@ def export_keys(loaded, specs, placements, config, tokenizer, bos) -> dict[int, 
     return keys
 
 
+def hits(cache: ShardCache | None, keys: dict[int, str], folder: Path, files: dict[int, str]) -> dict[int, dict]:
+    """The shards the cache has (index -> manifest entry), their files copied into `folder`."""
+    entries = {}
+    for index, file_name in files.items():
+        hit = cache.get(keys[index], folder, file_name) if cache is not None else None
+        if hit is not None:
+            entries[index] = {"index": index, "file": file_name, **hit, "cache": "hit"}
+    return entries
+
+
+def store(cache: ShardCache | None, keys: dict[int, str], entry: dict, folder: Path) -> None:
+    """A shard just lowered into `folder` kept in the cache (entry["cache"] says whether)."""
+    if cache is None:
+        entry["cache"] = "off"
+        return
+    cache.put(keys[entry["index"]], folder / entry["file"], entry)
+    entry["cache"] = "stored"
+
+
 class ShardCache:
     def __init__(self, root: Path, max_bytes: int):
         self.root, self.max_bytes = Path(root), max_bytes

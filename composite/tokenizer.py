@@ -263,3 +263,22 @@ def tokenizer_for_model(path: str | Path | None, vocab: int) -> Tokenizer | None
             f"note: tokenizer has {tokenizer.vocab_size} tokens, the model {vocab} (padded vocabulary)", file=sys.stderr
         )
     return tokenizer
+
+
+def generation_stop_ids(loaded, tokenizer: Tokenizer | None, chat: dict | None) -> list[int]:
+    """Every id that ends generation (loaded: a LoadedModel): the checkpoint's, the tokenizer's,
+    the chat template's end of turn."""
+    ids = set(loaded.eos_ids) | set(tokenizer.eos_ids if tokenizer else ())
+    if chat is not None:
+        ids.add(chat["end_of_turn_id"])
+    return sorted(ids)
+
+
+def prompt_bos_id(loaded, tokenizer: Tokenizer | None) -> int | None:
+    """The id before a text prompt (loaded: a LoadedModel). A tokenizer.json's post-processor
+    decides BOS, as transformers applies it; otherwise the checkpoint's config, then the tokenizer."""
+    if tokenizer is not None and tokenizer.kind == "hf_json":
+        return tokenizer.bos_id
+    if loaded.bos_id is not None:
+        return loaded.bos_id
+    return tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id >= 0 else None

@@ -233,6 +233,62 @@ ChatTemplate parse_chat(const json& chat, const std::string& where) {
   return t;
 }
 
+namespace {
+
+// One entry of 'shards': where = the manifest's name, i = its position of `count`, expected_layer
+// = where the chain stands (the previous shard's layer end).
+ShardInfo parse_shard(const json& s, size_t i, size_t count, int expected_layer, const Manifest& m,
+                      const std::string& where) {
+  const std::string sw = where + " shard " + std::to_string(i);
+  ShardInfo info;
+  info.index = require_int(s, "index", sw);
+  if (info.index != static_cast<int>(i)) {
+    throw RunnerError(sw + " says index " + std::to_string(info.index) + ": shards are out of order");
+  }
+  info.file = require_text(s, "file", sw);
+  if (info.file.find('/') != std::string::npos) throw RunnerError(sw + ": file name must not contain '/'");
+  info.sha256 = require_text(s, "sha256", sw);
+  info.size = integer<int64_t>(require(s, "size", sw), sw + " size");
+  auto layers = integers<int>(require(s, "layers", sw), sw + " layers");
+  if (layers.size() != 2 || layers[0] != expected_layer || layers[1] < layers[0] || layers[1] > m.n_layers) {
+    throw RunnerError(sw + ": layers do not continue the chain at layer " + std::to_string(expected_layer));
+  }
+  info.layer_first = layers[0];
+  info.layer_end = layers[1];
+  info.has_embedding = as_boolean(require(s, "has_embedding", sw), sw + " 'has_embedding'");
+  info.has_head = as_boolean(require(s, "has_head", sw), sw + " 'has_head'");
+  if (info.has_embedding != (i == 0) || info.has_head != (i + 1 == count)) {
+    throw RunnerError(sw + ": the embedding must be in the first shard and the head in the last");
+  }
+  if (s.contains("backends")) {
+    const json& backends = s.at("backends");
+    if (!backends.is_array()) throw RunnerError(sw + " 'backends' must be a list of names");
+    for (const json& b : backends) info.backends.push_back(as_text(b, sw + " 'backends'"));
+  }
+  if (s.contains("cpu_ops")) {
+    const json& ops = s.at("cpu_ops");
+    if (!ops.is_object()) throw RunnerError(sw + " 'cpu_ops' must map methods to lists of operator names");
+    std::set<std::string> names;
+    for (const auto& [method, list] : ops.items()) {
+      if (!list.is_array()) throw RunnerError(sw + " 'cpu_ops' must map methods to lists of operator names");
+      for (const json& op : list) names.insert(as_text(op, sw + " 'cpu_ops'"));
+    }
+    info.cpu_ops.assign(names.begin(), names.end());
+  }
+  if (s.contains("weight_sharing")) info.weight_sharing = as_boolean(s.at("weight_sharing"), sw + " 'weight_sharing'");
+  const json& io = require(s, "io", sw);
+  for (const auto& [name, width] : m.methods) {
+    const json& method = require(io, name.c_str(), sw + " io");
+    info.io[name] = MethodIO{parse_tensors(require(method, "inputs", sw), sw + " " + name + " inputs"),
+                             parse_tensors(require(method, "outputs", sw), sw + " " + name + " outputs")};
+  }
+  check_value_dtypes(info, sw);
+  check_cache_encodings(info, sw);
+  return info;
+}
+
+}  // namespace
+
 Manifest parse_manifest(const std::string& text, const std::string& folder) {
   const std::string where = folder + "/manifest.json";
   json j;
@@ -309,55 +365,8 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     if (!shards.is_array() || shards.empty()) throw RunnerError(where + ": 'shards' must be a non-empty list");
     int expected_layer = 0;
     for (size_t i = 0; i < shards.size(); ++i) {
-      const json& s = shards[i];
-      const std::string sw = where + " shard " + std::to_string(i);
-      ShardInfo info;
-      info.index = require_int(s, "index", sw);
-      if (info.index != static_cast<int>(i)) {
-        throw RunnerError(sw + " says index " + std::to_string(info.index) + ": shards are out of order");
-      }
-      info.file = require_text(s, "file", sw);
-      if (info.file.find('/') != std::string::npos) throw RunnerError(sw + ": file name must not contain '/'");
-      info.sha256 = require_text(s, "sha256", sw);
-      info.size = integer<int64_t>(require(s, "size", sw), sw + " size");
-      auto layers = integers<int>(require(s, "layers", sw), sw + " layers");
-      if (layers.size() != 2 || layers[0] != expected_layer || layers[1] < layers[0] || layers[1] > m.n_layers) {
-        throw RunnerError(sw + ": layers do not continue the chain at layer " + std::to_string(expected_layer));
-      }
-      info.layer_first = layers[0];
-      info.layer_end = layers[1];
-      expected_layer = layers[1];
-      info.has_embedding = as_boolean(require(s, "has_embedding", sw), sw + " 'has_embedding'");
-      info.has_head = as_boolean(require(s, "has_head", sw), sw + " 'has_head'");
-      if (info.has_embedding != (i == 0) || info.has_head != (i + 1 == shards.size())) {
-        throw RunnerError(sw + ": the embedding must be in the first shard and the head in the last");
-      }
-      if (s.contains("backends")) {
-        const json& backends = s.at("backends");
-        if (!backends.is_array()) throw RunnerError(sw + " 'backends' must be a list of names");
-        for (const json& b : backends) info.backends.push_back(as_text(b, sw + " 'backends'"));
-      }
-      if (s.contains("cpu_ops")) {
-        const json& ops = s.at("cpu_ops");
-        if (!ops.is_object()) throw RunnerError(sw + " 'cpu_ops' must map methods to lists of operator names");
-        std::set<std::string> names;
-        for (const auto& [method, list] : ops.items()) {
-          if (!list.is_array()) throw RunnerError(sw + " 'cpu_ops' must map methods to lists of operator names");
-          for (const json& op : list) names.insert(as_text(op, sw + " 'cpu_ops'"));
-        }
-        info.cpu_ops.assign(names.begin(), names.end());
-      }
-      if (s.contains("weight_sharing"))
-        info.weight_sharing = as_boolean(s.at("weight_sharing"), sw + " 'weight_sharing'");
-      const json& io = require(s, "io", sw);
-      for (const auto& [name, width] : m.methods) {
-        const json& method = require(io, name.c_str(), sw + " io");
-        info.io[name] = MethodIO{parse_tensors(require(method, "inputs", sw), sw + " " + name + " inputs"),
-                                 parse_tensors(require(method, "outputs", sw), sw + " " + name + " outputs")};
-      }
-      check_value_dtypes(info, sw);
-      check_cache_encodings(info, sw);
-      m.shards.push_back(std::move(info));
+      m.shards.push_back(parse_shard(shards[i], i, shards.size(), expected_layer, m, where));
+      expected_layer = m.shards.back().layer_end;
     }
     if (expected_layer != m.n_layers) throw RunnerError(where + ": the shards do not cover all layers");
     if (j.contains("qnn") && !j.at("qnn").is_null()) {

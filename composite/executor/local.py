@@ -11,7 +11,8 @@ import os
 import time
 from multiprocessing.connection import wait
 
-from composite.executor import Done, Job, JobFailed, OnDone, order_check, resolve
+from composite.errors import UserError
+from composite.executor import Done, Job, JobFailed, OnDone, OnStart, order_check, resolve
 from composite.executor.fork import ForkedCall, ProcessDied
 from composite.memory import PeakMemory
 
@@ -33,17 +34,30 @@ class LocalExecutor:
         process's peak."""
         self.workers, self.budget, self.memory = workers, memory_budget, memory
 
-    def run(self, jobs: list[Job], on_done: OnDone) -> None:
-        order_check(jobs)
-        if self.workers == 0:
-            self._run_here(jobs, on_done)
-        else:
-            self._run_forked(jobs, on_done)
+    def check_fits(self, jobs: list[Job]) -> None:
+        """One line, before any work, for a job expected to need more memory than the export may use."""
+        for job in jobs:
+            if self.budget is not None and job.memory > self.budget:
+                raise UserError(
+                    f"{job.label} is expected to need about {job.memory / 1e9:.1f} GB to lower, more than the "
+                    f"{self.budget / 1e9:.1f} GB this export may use (--max-memory, or 90% of what is free): cut the "
+                    "model into more shards (--shards, layers_per_shard) or allow more memory"
+                )
 
-    def _run_here(self, jobs: list[Job], on_done: OnDone) -> None:
+    def run(self, jobs: list[Job], on_done: OnDone, on_start: OnStart | None = None) -> None:
+        order_check(jobs)
+        self.check_fits(jobs)
+        on_start = on_start or (lambda job: None)
+        if self.workers == 0:
+            self._run_here(jobs, on_done, on_start)
+        else:
+            self._run_forked(jobs, on_done, on_start)
+
+    def _run_here(self, jobs: list[Job], on_done: OnDone, on_start: OnStart) -> None:
         results: dict[str, object] = {}
         users = _users(jobs)
         for job in jobs:
+            on_start(job)
             started = time.perf_counter()
             result = job.fn(*resolve(job.args, results))
             results[job.name] = result
@@ -57,7 +71,7 @@ class LocalExecutor:
             return False
         return self.budget is None or sum(j.memory for j, _ in running.values()) + job.memory <= self.budget
 
-    def _run_forked(self, jobs: list[Job], on_done: OnDone) -> None:
+    def _run_forked(self, jobs: list[Job], on_done: OnDone, on_start: OnStart) -> None:
         results: dict[str, object] = {}
         users = _users(jobs)
         pending = list(jobs)
@@ -68,6 +82,7 @@ class LocalExecutor:
                     if all(n in results for n in job.needs) and self._fits(job, running):
                         pending.remove(job)
                         running[ForkedCall(job.fn, resolve(job.args, results))] = (job, time.perf_counter())
+                        on_start(job)
                 for call in wait(list(running)):
                     job, started = running.pop(call)
                     pid = call.pid

@@ -28,7 +28,7 @@ import urllib.parse
 from pathlib import Path
 
 from composite.errors import UserError
-from composite.executor import Done, Job, JobFailed, OnDone, Result, order_check
+from composite.executor import Done, Job, JobFailed, OnDone, OnStart, Result, order_check
 from composite.executor.fork import ForkedCall
 from composite.memory import PeakMemory
 
@@ -110,7 +110,7 @@ class RayExecutor:
                     f"cluster offers ({self.node_memory / 1e9:.1f} GB): cut the model into more shards"
                 )
 
-    def run(self, jobs: list[Job], on_done: OnDone) -> None:
+    def run(self, jobs: list[Job], on_done: OnDone, on_start: OnStart | None = None) -> None:
         order_check(jobs)
         self.check_fits(jobs)
         by_name = {job.name: job for job in jobs}
@@ -122,7 +122,7 @@ class RayExecutor:
             quiet_driver()
             with os.fdopen(write, "wb") as out:
                 try:
-                    drive(self.address, jobs, self.window, lambda *done: pickle.dump(("done", *done), out))
+                    drive(self.address, jobs, self.window, lambda *message: pickle.dump(message, out) or out.flush())
                     pickle.dump(("end",), out)
                 except UserError as e:
                     pickle.dump(("user_error", str(e)), out)
@@ -146,7 +146,9 @@ class RayExecutor:
                     kind, *rest = message
                     if kind == "end":
                         return
-                    if kind == "done":
+                    if kind == "start" and on_start is not None:
+                        on_start(by_name[rest[0]])
+                    elif kind == "done":
                         name, result, where, seconds, peak = rest
                         on_done(Done(by_name[name], result, seconds, where, peak))
                     elif kind == "user_error":
@@ -198,8 +200,8 @@ def portable(arg):
 
 def drive(address: str, jobs: list[Job], window: int, report) -> None:
     """Ray's driver: submit each job when its inputs are done and a worker would be free (so
-    about one shard's weights at a time wait in the object store), report(name, result, where,
-    seconds, peak) each as it finishes."""
+    about one shard's weights at a time wait in the object store); report("start", name) as each
+    is submitted and report("done", name, result, where, seconds, peak) as it finishes."""
     ray = connect(address)
     task = ray.remote(max_calls=1)(run_job)
     submitted: dict[str, object] = {}  # job name -> ObjectRef of its result
@@ -237,11 +239,12 @@ def drive(address: str, jobs: list[Job], window: int, report) -> None:
                     ref, facts = task.options(name=job.name, num_returns=2, **options).remote(job.fn, *args)
                     submitted[job.name] = ref
                     running[facts] = (job, ref)
+                    report("start", job.name)
             ready, _ = ray.wait(list(running), num_returns=1)
             for facts in ready:
                 job, ref = running.pop(facts)
                 where, seconds, peak = _get(ray, facts, job)
-                report(job.name, _get(ray, ref, job), where, seconds, peak)
+                report("done", job.name, _get(ray, ref, job), where, seconds, peak)
                 done.add(job.name)
     except (ray.exceptions.RaySystemError, ConnectionError) as e:
         raise UserError(f"the Ray cluster at {address} went away: {str(e).strip().splitlines()[0]}") from None

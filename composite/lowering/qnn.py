@@ -439,10 +439,11 @@ def with_spill_fill(buffer: bytes, size: int) -> bytes:
     )
 
 
-def settle_spill_fill(folder, entries: list[dict]) -> int:
+def settle_spill_fill(folder, entries: list[dict], job_stages: list[dict]) -> dict:
     """Every QNN shard of an export (the manifest `entries`, files in `folder`) gets the largest
     spill-fill size any of them needs (with_spill_fill), its entry's size and sha256 updated.
-    Each entry's own "spill_fill_bytes" stays its own need. -> the shared size."""
+    Each entry's own "spill_fill_bytes" stays its own need. job_stages: the stages (name ->
+    seconds) of the jobs this export ran. -> the manifest's qnn summary."""
     from composite import manifest as manifest_schema
 
     qnn = [e for e in entries if e["placement"]["backend"] == "qnn"]
@@ -452,7 +453,14 @@ def settle_spill_fill(folder, entries: list[dict]) -> int:
             path = folder / entry["file"]
             path.write_bytes(with_spill_fill(path.read_bytes(), shared))
             entry["sha256"], entry["size"] = manifest_schema.sha256_file(path), path.stat().st_size
-    return shared
+    calibration = [stages["calibrate"] for stages in job_stages if "calibrate" in stages]
+    host = qnn_host.prepare()
+    return {
+        "build_id": host.build_id,
+        "libraries": host.source,
+        "spill_fill_bytes": shared,
+        "calibration_seconds": round(sum(calibration), 2) if calibration else None,
+    }
 
 
 @dataclasses.dataclass
