@@ -51,6 +51,13 @@ class Candidate:
     def is_float(self) -> bool:
         return self.backend == "xnnpack" and self.precision == "fp32"
 
+    @property
+    def weight_bits(self) -> int | None:
+        """4 or 8 as the export's rotate auto counts them (16a16w with the 8-bit ones); None: float."""
+        if self.is_float or self.precision == "fp16":
+            return None
+        return 4 if self.precision.endswith("4w") else 8
+
     def placement(self, head: bool) -> dict:
         """The shard's placement entry in an export config (a head shard keeps the precision of
         its candidate: an XNNPACK head quantized as 8da4w is a 4-bit head)."""
