@@ -74,7 +74,7 @@ struct RunInfo {
   MemoryFigures memory;
 };
 
-// The --stats_json document (its keys are listed in the README, "Stats").
+// The --stats_json document (its keys are listed in docs/usage.md, "Stats").
 nlohmann::json stats_json(const Generation& generation, const RunInfo& run);
 
 }  // namespace composite

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Cross-build composite_runner for Android arm64-v8a with XNNPACK and QNN. NOT run on this
-# project's CI machines: there is no Android NDK or Qualcomm SDK here (see README, "What is
+# project's CI machines: there is no Android NDK or Qualcomm SDK here (see docs/testing.md, "What is
 # verified where"). Same CMake options as scripts/build_arm64.sh (scripts/device_build.sh); only
 # the toolchain and the dependency roots differ.
 #

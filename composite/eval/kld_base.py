@@ -3,7 +3,7 @@ that another run (composite_runner --eval_text on a phone, or composite.eval lat
 KL divergence against them without the reference at hand. llama.cpp's --kl-divergence-base keeps
 every vocabulary entry at 16 bits; this keeps each position's top k tokens and the remaining mass
 (k = 64 by default; the KLD against it is a lower bound: 88% of the exact figure on SmolLM2-135M
-8da4w, so a larger --k where it must be exact; see the README's quality section). runner_cpp/eval.cpp reads the same format.
+8da4w, so a larger --k where it must be exact; see docs/quality.md). runner_cpp/eval.cpp reads the same format.
 
 Layout, little-endian:
   magic      14 bytes  "COMPOSITE-KLD\\n"

@@ -142,7 +142,7 @@ def generate(
 
 def stats(generation: Generation, manifest: dict, runner: str, **run_info) -> dict:
     """The stats document both runners write (composite_runner --stats_json, composite.run
-    --stats-json/--json; keys listed in the README, "Stats"). run_info: load_ms, threads, seed,
+    --stats-json/--json; keys listed in docs/usage.md, "Stats"). run_info: load_ms, threads, seed,
     peak_rss_mb, qnn_simulator, and anything the runner adds."""
     return {
         "runner": runner,
