@@ -162,11 +162,14 @@ def lower_all(
     executor = executor or LocalExecutor(default_workers())
     write_to = folder if executor.shares_files else None
     jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing, write_to)
-    runs: dict[int, dict] = {}
+    runs: dict[int | str, dict] = {}  # shard index (its lowering) or job name (a float pass) -> how it ran
     progress = JobProgress([job for job in jobs if job.fn is lower_task])
 
     def done(finished: Done) -> None:
-        if finished.job.fn is not lower_task:
+        job_facts = {"job": finished.job.name, "needs": list(finished.job.needs), "seconds": finished.seconds}
+        job_facts |= {"where": finished.where, "peak_bytes": finished.peak_bytes}
+        if finished.job.fn is not lower_task:  # a float pass of the calibration chain
+            runs[finished.job.name] = {**job_facts, "stages": {"float pass": finished.seconds}}
             return
         progress.finished(finished.job)
         result: ShardLowered = finished.result
@@ -177,12 +180,7 @@ def lower_all(
         entry = manifest_schema.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
         entries[spec.index] = {**entry, **result.qnn}
         shard_cache.store(cache, keys, entries[spec.index], folder)
-        runs[spec.index] = {
-            "seconds": finished.seconds,
-            "where": finished.where,
-            "peak_bytes": finished.peak_bytes,
-            "stages": result.stages,
-        }
+        runs[spec.index] = {**job_facts, "stages": result.stages}
 
     try:
         with watch.stage("lowering"):

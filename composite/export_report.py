@@ -134,6 +134,7 @@ def write_summary(path: Path, shards, runs, watch, peaks, seconds: float, output
         "main_process_peak_bytes": peaks[1],
         "stages": {k: round(v, 2) for k, v in watch.seconds.items()},
         "shards": [{**{k: s[k] for k in keep if k in s}, "job": runs.get(s["index"])} for s in shards],
+        "float_jobs": [run for key, run in runs.items() if isinstance(key, str)],
     }
     try:
         Path(path).write_text(json.dumps(document, indent=1) + "\n")
