@@ -192,6 +192,7 @@ def terminated(signum, _frame):
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_args(args)
     signal.signal(signal.SIGTERM, terminated)
     if any(c.backend == "qnn" and c.precision != "fp16" for c in parse_candidates(args.candidates)):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
