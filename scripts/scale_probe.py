@@ -73,12 +73,12 @@ def export(folder: Path, flags: list[str], output: Path, env: dict) -> dict:
     return result
 
 
-def run_ours(artifacts: Path) -> dict:
+def run_ours(artifacts: Path, threads: int) -> dict:
     prompt = ",".join(str(1000 + 7 * i) for i in range(PROMPT_TOKENS))
     with tempfile.TemporaryDirectory() as scratch:
         stats = Path(scratch) / "stats.json"
         command = [str(REPO / "build" / "composite_runner"), "--artifacts", str(artifacts), "--prompt_ids", prompt]
-        command += ["--max_new_tokens", str(NEW_TOKENS), "--stats_json", str(stats)]
+        command += ["--max_new_tokens", str(NEW_TOKENS), "--stats_json", str(stats), "--threads", str(threads)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"composite_runner failed: {done.stderr.strip().splitlines()[-1]}")
@@ -120,10 +120,10 @@ def llama_cpp_q4_0(llama_cpp: Path, folder: Path, work: Path) -> Path:
     return gguf
 
 
-def run_llama_cpp(llama_cpp: Path, gguf: Path) -> dict:
+def run_llama_cpp(llama_cpp: Path, gguf: Path, threads: int) -> dict:
     from composite.bench.llama_cpp import bench_once
 
-    return bench_once(llama_cpp, gguf, "8da4w", PROMPT_TOKENS, NEW_TOKENS, os.cpu_count() or 1)
+    return bench_once(llama_cpp, gguf, "8da4w", PROMPT_TOKENS, NEW_TOKENS, threads)
 
 
 def median(values: list[float]) -> float:
@@ -143,6 +143,14 @@ def main() -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--llama-cpp", help="llama.cpp folder (default: what scripts/build_llama_cpp.sh builds)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved runner rounds per shape")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="threads of both runners (default: every core; fewer when something else runs: llama.cpp's "
+        "threads wait for each other by spinning, so a busy core slows it far more than ours)",
+    )
+    p.add_argument("--no-export", action="store_true", help="run the runners on the exports already in --work")
     p.add_argument(
         "--cached",
         action="store_true",
@@ -165,7 +173,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         folder = checkpoint(work, shape)
         if "xnnpack" in recipes:
-            results.append(xnnpack_row(shape, folder, work, env, llama_cpp, args.rounds))
+            results.append(xnnpack_row(shape, folder, work, env, llama_cpp, args))
         if shape == "3b" and "hybrid" in recipes:
             hybrid = export(folder, HYBRID, work / "export-3b-hybrid", env)
             results.append({"shape": "3b", "recipe": "configs/llama3_2_3b_hybrid.yaml", "export": hybrid})
@@ -175,21 +183,25 @@ def main() -> None:
     print_table(results)
 
 
-def xnnpack_row(shape: str, folder: Path, work: Path, env: dict, llama_cpp: Path | None, rounds: int) -> dict:
+def xnnpack_row(shape: str, folder: Path, work: Path, env: dict, llama_cpp: Path | None, args) -> dict:
     """The XNNPACK export of `shape`, then our runner and llama.cpp's Q4_0 in interleaved rounds."""
-    row = {
-        "shape": shape,
-        "recipe": " ".join(RECIPES[shape]),
-        "export": export(folder, RECIPES[shape], work / f"export-{shape}", env),
-    }
+    output = work / f"export-{shape}"
+    row = {"shape": shape, "recipe": " ".join(RECIPES[shape]), "threads": args.threads}
+    if args.no_export:
+        summary = json.loads(output.with_suffix(".json").read_text())
+        summary["pte_bytes"] = sum(s["size"] for s in summary["shards"])
+        summary["wall_seconds"], summary["sampled_peak_bytes"] = summary["seconds"], None
+        row["export"] = summary
+    else:
+        row["export"] = export(folder, RECIPES[shape], output, env)
     if llama_cpp is not None:
         gguf = llama_cpp_q4_0(llama_cpp, folder, work)
         row["gguf_bytes"] = gguf.stat().st_size
     ours, theirs = [], []
-    for _ in range(rounds):
-        ours.append(run_ours(work / f"export-{shape}"))
+    for _ in range(args.rounds):
+        ours.append(run_ours(output, args.threads))
         if llama_cpp is not None:
-            theirs.append(run_llama_cpp(llama_cpp, gguf))
+            theirs.append(run_llama_cpp(llama_cpp, gguf, args.threads))
     row["ours"], row["llama_cpp"] = ours, theirs
     return row
 
