@@ -72,9 +72,17 @@ class WeightSource(ABC):
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The stored tensors of `names` as float32 (before any reordering)."""
 
-    @abstractmethod
     def _hash(self, names: list[str]) -> dict[str, hashlib._Hash]:
         """A sha256 per name, started by _start() and fed the tensor's stored bytes."""
+        hashes = {}
+        for name, tensor in self._each(names):
+            hashes[name] = self._start(name, str(tensor.dtype))
+            hashes[name].update(_tensor_bytes(tensor))
+        return hashes
+
+    def _each(self, names: list[str]):
+        """(name, stored tensor), one at a time where the source can."""
+        yield from self._stored(names).items()
 
     def _start(self, name: str, stored: str) -> hashlib._Hash:
         return hashlib.sha256(f"{name}|{stored}|{list(self.shapes[name])}|{self.permuted.get(name)}|".encode())
@@ -97,13 +105,6 @@ class TensorWeights(WeightSource):
 
     def _stored(self, names):
         return {name: self.tensors[name] for name in names}
-
-    def _hash(self, names):
-        hashes = {}
-        for name in names:
-            hashes[name] = self._start(name, str(self.tensors[name].dtype))
-            hashes[name].update(_tensor_bytes(self.tensors[name]))
-        return hashes
 
 
 class SafetensorsWeights(WeightSource):
@@ -136,13 +137,6 @@ class SafetensorsWeights(WeightSource):
     def _stored(self, names):
         return dict(self._each(names))
 
-    def _hash(self, names):
-        hashes = {}
-        for name, tensor in self._each(names):
-            hashes[name] = self._start(name, str(tensor.dtype))
-            hashes[name].update(_tensor_bytes(tensor))
-        return hashes
-
 
 class TorchFileWeights(WeightSource):
     """A PyTorch checkpoint (Meta's consolidated.00.pth, llama2.c's stories*.pt), memory-mapped
@@ -162,13 +156,6 @@ class TorchFileWeights(WeightSource):
 
     def _stored(self, names):
         return {name: tensor.clone() for name, tensor in self._each(names)}
-
-    def _hash(self, names):
-        hashes = {}
-        for name, tensor in self._each(names):
-            hashes[name] = self._start(name, str(tensor.dtype))
-            hashes[name].update(_tensor_bytes(tensor))
-        return hashes
 
 
 def load_torch_file(path: Path) -> dict:
