@@ -29,10 +29,11 @@ from composite import chat_template, qnn_host, shard_cache, staging
 from composite import manifest as manifest_schema
 from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
 from composite.errors import Failure, UserError, exits_cleanly
-from composite.executor import Done, JobFailed, from_ray_flag
+from composite.executor import Done, JobFailed
 from composite.executor.fork import ForkedCall
 from composite.executor.local import LocalExecutor, default_workers
-from composite.export_report import JobProgress, print_summary, write_summary
+from composite.executor.ray_cluster import from_ray_flag
+from composite.export_report import JobProgress, JobRuns, print_summary, write_summary
 from composite.lowering import embedding
 from composite.lowering.htp_limits import check_placement, layer_capacity
 from composite.lowering.jobs import lowering_jobs, shard_file
@@ -148,11 +149,10 @@ def lower_all(
     cache: ShardCache | None = None,
     executor=None,
     watch: Stopwatch | None = None,
-) -> tuple[list[dict], dict | None, dict[int, dict]]:
+) -> tuple[list[dict], dict | None, JobRuns]:
     """Every shard written into `folder`: taken from the cache, or lowered by the executor's jobs
     (lowering/jobs.py) and stored there as soon as it is done, so an export that stops early
-    keeps what it finished. -> (manifest entries, the manifest's qnn summary, shard index -> how
-    its job ran). bos: the id the runners put before a text prompt, which calibration puts before
+    keeps what it finished. -> (manifest entries, the manifest's qnn summary, how its jobs ran). bos: the id the runners put before a text prompt, which calibration puts before
     its text too."""
     watch = watch or Stopwatch()
     with watch.stage("cache keys"):
@@ -162,14 +162,14 @@ def lower_all(
     executor = executor or LocalExecutor(default_workers())
     write_to = folder if executor.shares_files else None
     jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing, write_to)
-    runs: dict[int | str, dict] = {}  # shard index (its lowering) or job name (a float pass) -> how it ran
+    runs = JobRuns()
     progress = JobProgress([job for job in jobs if job.fn is lower_task])
 
     def done(finished: Done) -> None:
         job_facts = {"job": finished.job.name, "needs": list(finished.job.needs), "seconds": finished.seconds}
         job_facts |= {"where": finished.where, "peak_bytes": finished.peak_bytes}
         if finished.job.fn is not lower_task:  # a float pass of the calibration chain
-            runs[finished.job.name] = {**job_facts, "stages": {"float pass": finished.seconds}}
+            runs.float_passes.append({**job_facts, "stages": {"float pass": finished.seconds}})
             return
         progress.finished(finished.job)
         result: ShardLowered = finished.result
@@ -180,7 +180,7 @@ def lower_all(
         entry = manifest_schema.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
         entries[spec.index] = {**entry, **result.qnn}
         shard_cache.store(cache, keys, entries[spec.index], folder)
-        runs[spec.index] = {**job_facts, "stages": result.stages}
+        runs.shards[spec.index] = {**job_facts, "stages": result.stages}
 
     try:
         with watch.stage("lowering"):
@@ -191,7 +191,7 @@ def lower_all(
     if not any(p.backend == "qnn" for p in placements):
         return shards, None, runs
     with watch.stage("spill-fill"):
-        summary = settle_spill_fill(folder, shards, [run["stages"] for run in runs.values()])
+        summary = settle_spill_fill(folder, shards, [run["stages"] for run in runs.every()])
     return shards, summary, runs
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -11,6 +12,17 @@ from tqdm import tqdm
 from composite.config import Placement
 from composite.errors import UserError
 from composite.memory import Stopwatch, gb
+
+
+@dataclass
+class JobRuns:
+    """How the export's jobs ran: {"job", "needs", "seconds", "where", "peak_bytes", "stages"} each."""
+
+    shards: dict[int, dict] = field(default_factory=dict)  # shard index -> its lowering job
+    float_passes: list[dict] = field(default_factory=list)  # the calibration chain's float passes
+
+    def every(self) -> list[dict]:
+        return [*self.shards.values(), *self.float_passes]
 
 
 def format_sqnr(db: float | None) -> str:
@@ -52,7 +64,7 @@ def print_htp(shards: list[dict], estimates: dict | None) -> None:
 
 def print_summary(
     shards: list[dict],
-    runs: dict[int, dict],
+    runs: JobRuns,
     watch: Stopwatch,
     peak_bytes: tuple[int | None, int | None],
     total_seconds: float,
@@ -68,7 +80,7 @@ def print_summary(
     and for its worst token; the manifest has the first for every output."""
     rows = [("shard", "layers", "backend", "delegates", "size", "seconds", "peak", "cache", "SQNR dB", "worst token")]
     for s in shards:
-        run = runs.get(s["index"], {})
+        run = runs.shards.get(s["index"], {})
         backend = Placement(s["placement"]["backend"], s["placement"]["options"]).describe()
         sqnr = (
             "/".join(format_sqnr(next(iter(per_output.values()))) for per_output in s["sqnr_db"].values())
@@ -99,7 +111,7 @@ def print_summary(
         for note in s["notes"]:
             print(f"note: shard {s['index']}: {note}")
     stages: dict[str, float] = {}
-    for run in runs.values():
+    for run in runs.every():
         for name, seconds in run["stages"].items():
             stages[name] = stages.get(name, 0.0) + seconds
     if stages:
@@ -124,7 +136,7 @@ def print_summary(
     )
 
 
-def write_summary(path: Path, shards, runs, watch, peaks, seconds: float, output: Path) -> None:
+def write_summary(path: Path, shards, runs: JobRuns, watch, peaks, seconds: float, output: Path) -> None:
     """--json: the summary print_summary shows, for scripts (scripts/scale_probe.py reads it)."""
     keep = ("index", "file", "size", "layers", "backends", "cache", "spill_fill_bytes", "htp_context_bytes", "sqnr_db")
     document = {
@@ -133,8 +145,8 @@ def write_summary(path: Path, shards, runs, watch, peaks, seconds: float, output
         "peak_bytes": peaks[0],
         "main_process_peak_bytes": peaks[1],
         "stages": {k: round(v, 2) for k, v in watch.seconds.items()},
-        "shards": [{**{k: s[k] for k in keep if k in s}, "job": runs.get(s["index"])} for s in shards],
-        "float_jobs": [run for key, run in runs.items() if isinstance(key, str)],
+        "shards": [{**{k: s[k] for k in keep if k in s}, "job": runs.shards.get(s["index"])} for s in shards],
+        "float_jobs": runs.float_passes,
     }
     try:
         Path(path).write_text(json.dumps(document, indent=1) + "\n")

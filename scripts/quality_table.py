@@ -272,7 +272,8 @@ def main(argv=None) -> None:
         print("| placement | size MB | tokens | PPL | PPL ratio | mean KLD | KLD p99 | top-1 | RMS Δp |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         if args.ray is not None:
-            from composite.executor import Job, from_ray_flag
+            from composite.executor import Job
+            from composite.executor.ray_cluster import from_ray_flag
 
             checkpoint = checkpoint_files(Path(args.checkpoint))
             text = Path(args.text).read_bytes()

@@ -70,14 +70,3 @@ def order_check(jobs: list[Job]) -> None:
 
 OnDone = Callable[[Done], None]
 OnStart = Callable[[Job], None]  # a job handed to a process or worker (progress displays)
-
-
-def from_ray_flag(flag: str | None):
-    """The executor --ray [ADDRESS] asks for: None without the flag (the caller's local default),
-    else a RayExecutor, connected now, so that a missing Ray or a silent address is one line
-    before any work ("" = RAY_ADDRESS, else the cluster running on this machine)."""
-    if flag is None:
-        return None
-    from composite.executor.ray_cluster import RayExecutor
-
-    return RayExecutor(flag or None)

@@ -10,7 +10,6 @@ say) is reported as such (ProcessDied), with how it died.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import pickle
 import signal
@@ -39,6 +38,24 @@ class ProcessDied(Exception):
         super().__init__(f"process {pid} {how}")
 
 
+def as_message(e: BaseException) -> tuple[str, object]:
+    """An error in a child process as (kind, value), picklable whatever the error held."""
+    if isinstance(e, UserError):
+        return "user_error", str(e)
+    if isinstance(e, OSError) and e.errno is not None:  # a full disk or a missing file: the caller's one line
+        return "os_error", (e.errno, e.strerror, e.filename)
+    return "error", "".join(traceback.format_exception(e))
+
+
+def raise_message(kind: str, value) -> None:
+    """The error as_message described, raised in the caller as if it were its own."""
+    if kind == "user_error":
+        raise UserError(value)
+    if kind == "os_error":
+        raise OSError(*value)
+    raise RuntimeError(value)
+
+
 class ForkedCall:
     """fn(*args) in a forked child; result() -> its return value (or its exception)."""
 
@@ -59,13 +76,8 @@ class ForkedCall:
             try:
                 torch.set_num_threads(1)
                 payload = ("ok", fn(*args))
-            except UserError as e:
-                payload = ("user_error", str(e))
             except BaseException as e:
-                if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # the caller says it in one line
-                    payload = ("no_space", e.filename)
-                else:
-                    payload = ("error", "".join(traceback.format_exception(e)))
+                payload = as_message(e)
             try:
                 with os.fdopen(write, "wb") as out:
                     pickle.dump(payload, out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -93,12 +105,8 @@ class ForkedCall:
         pid, self.pid = self.pid, None
         if status == "died":
             raise ProcessDied(pid, exit_status)
-        if status == "user_error":
-            raise UserError(value)
-        if status == "no_space":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), value)
-        if status == "error":
-            raise RuntimeError(value)
+        if status != "ok":
+            raise_message(status, value)
         return value
 
     def stop(self) -> None:

@@ -23,14 +23,20 @@ import pickle
 import signal
 import socket
 import time
-import traceback
 import urllib.parse
 from pathlib import Path
 
 from composite.errors import UserError
 from composite.executor import Done, Job, JobFailed, OnDone, OnStart, Result, order_check
-from composite.executor.fork import ForkedCall
+from composite.executor.fork import ForkedCall, as_message, raise_message
 from composite.memory import PeakMemory
+
+
+def from_ray_flag(flag: str | None):
+    """The executor --ray [ADDRESS] asks for: None without the flag (the caller's local default),
+    else a RayExecutor, connected now, so that a missing Ray or a silent address is one line
+    before any work ("" = RAY_ADDRESS, else the cluster running on this machine)."""
+    return None if flag is None else RayExecutor(flag or None)
 
 
 def run_job(fn, *args):
@@ -58,12 +64,17 @@ def check_answers(address: str) -> None:
         raise UserError(f"no Ray cluster answers at {address}: {e}") from None
 
 
-def connect(address: str):
-    """ray.init on an existing cluster (in the process that will be Ray's driver)."""
+def import_ray():
     try:
         import ray
     except ImportError:
         raise UserError("--ray needs Ray: pip install -e '.[cluster]' (or pip install ray)") from None
+    return ray
+
+
+def connect(address: str):
+    """ray.init on an existing cluster (in the process that will be Ray's driver)."""
+    ray = import_ray()
     options = {}
     if address != "auto" and urllib.parse.urlsplit(f"//{address}").hostname in ("127.0.0.1", "localhost"):
         options["_node_ip_address"] = "127.0.0.1"
@@ -91,10 +102,7 @@ class RayExecutor:
     shares_files = False  # workers send the .pte bytes back
 
     def __init__(self, address: str | None = None):
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise UserError("--ray needs Ray: pip install -e '.[cluster]' (or pip install ray)") from None
+        import_ray()
         self.address = address_of(address)
         check_answers(self.address)
         self.cpus, self.node_memory = _in_child(cluster_facts, self.address)  # one line now if nothing answers
@@ -124,12 +132,10 @@ class RayExecutor:
                 try:
                     drive(self.address, jobs, self.window, lambda *message: pickle.dump(message, out) or out.flush())
                     pickle.dump(("end",), out)
-                except UserError as e:
-                    pickle.dump(("user_error", str(e)), out)
                 except JobFailed as e:
                     pickle.dump(("job_failed", e.job.name, e.how), out)
                 except BaseException as e:
-                    pickle.dump(("error", "".join(traceback.format_exception(e))), out)
+                    pickle.dump(as_message(e), out)
                 out.flush()
             os._exit(0)
         os.close(write)
@@ -146,17 +152,16 @@ class RayExecutor:
                     kind, *rest = message
                     if kind == "end":
                         return
-                    if kind == "start" and on_start is not None:
-                        on_start(by_name[rest[0]])
+                    if kind == "start":
+                        if on_start is not None:
+                            on_start(by_name[rest[0]])
                     elif kind == "done":
                         name, result, where, seconds, peak = rest
                         on_done(Done(by_name[name], result, seconds, where, peak))
-                    elif kind == "user_error":
-                        raise UserError(rest[0])
                     elif kind == "job_failed":
                         raise JobFailed(by_name[rest[0]], rest[1])
                     else:
-                        raise RuntimeError(f"the Ray driver process failed:\n{rest[0]}")
+                        raise_message(kind, rest[0])
         finally:
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
                 os.kill(pid, signal.SIGKILL)

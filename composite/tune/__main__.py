@@ -41,8 +41,8 @@ from composite import qnn_host
 from composite.config import ROTATIONS
 from composite.errors import UserError, exits_cleanly
 from composite.eval.scoring import SCORE_MODES
-from composite.executor import from_ray_flag
 from composite.executor.fork import ForkedCall
+from composite.executor.ray_cluster import from_ray_flag
 from composite.tune.candidates import DEFAULT_CANDIDATES, DEFAULT_EMBEDDING, parse_candidates
 from composite.tune.search import thinned
 from composite.tune.steps import kld_text, tune

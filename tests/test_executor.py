@@ -1,0 +1,62 @@
+"""A forked call gives back what its child returned or raised, as the caller's own."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+import pytest
+
+from composite.errors import UserError
+from composite.executor.fork import ForkedCall, ProcessDied, split_work
+
+
+def write_to_a_full_disk(path):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def refuse():
+    raise UserError("shard 2 does not fit")
+
+
+def fail():
+    raise KeyError("layers.3.wq")
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_forked_call_returns_its_childs_result_from_its_own_process():
+    assert ForkedCall(lambda a, b: (a + b, os.getpid()), (2, 3)).result()[0] == 5
+    assert ForkedCall(os.getpid).result() != os.getpid()
+
+
+def test_an_os_error_in_the_child_is_the_same_os_error_in_the_caller():
+    with pytest.raises(OSError) as raised:
+        ForkedCall(write_to_a_full_disk, ("artifacts/shard_3.pte",)).result()
+    assert raised.value.errno == errno.ENOSPC
+    assert raised.value.filename == "artifacts/shard_3.pte"
+    with pytest.raises(FileNotFoundError):  # the errno picks the subclass, as for the caller's own
+        ForkedCall(open, ("/nonexistent/weights.safetensors",)).result()
+
+
+def test_a_user_error_stays_one_line_and_other_errors_carry_the_childs_traceback():
+    with pytest.raises(UserError, match=r"^shard 2 does not fit$"):
+        ForkedCall(refuse).result()
+    with pytest.raises(RuntimeError, match=r"(?s)Traceback.*in fail.*KeyError: 'layers.3.wq'"):
+        ForkedCall(fail).result()
+
+
+def test_a_child_killed_mid_call_is_reported_with_its_signal():
+    call = ForkedCall(die)
+    with pytest.raises(ProcessDied, match=r"killed by signal 9 \(SIGKILL\), most likely by the out-of-memory killer"):
+        call.result()
+    assert call.pid is None and not ForkedCall.running
+
+
+def test_split_work_gives_the_heaviest_item_to_whichever_side_has_less_so_far():
+    # 5 -> theirs (0 <= 1), 4 -> mine (1 + 4), 3 -> theirs (5 <= 5), 2 -> mine (8 > 5), 2 -> mine (8 > 7)
+    assert split_work({0: 5.0, 1: 4.0, 2: 3.0, 3: 2.0, 4: 2.0}, my_load=1.0) == ([1, 3, 4], [0, 2])
+    assert split_work({7: 0.5}) == ([], [7])
