@@ -29,6 +29,10 @@ class Job:
     args: tuple = ()
     memory: int = 0  # expected peak bytes of the process running it
     label: str = ""  # what errors call it, e.g. "shard 3"
+    # A lowering leaves memory behind in its process (allocator caches, compiled graphs): it runs in a
+    # process of its own. A short job that leaves nothing (a tune measurement) may share a worker
+    # process with the ones before it, which saves it the worker's start and its imports.
+    own_process: bool = True
     needs: tuple[str, ...] = field(init=False)
 
     def __post_init__(self):

@@ -2,7 +2,8 @@
 
 The same jobs as the local executor's, as Ray tasks: one CPU each, Ray's `memory` resource set to
 the job's expected peak so that Ray packs them onto nodes that hold them, and a fresh worker
-process per task (max_calls=1: what a lowering leaves in its process goes with it). Workers need
+process per task (max_calls=1: what a lowering leaves in its process goes with it) unless the job
+says it leaves nothing behind (Job.own_process). Workers need
 no shared filesystem and no copy of the checkpoint: a job's weights travel through the object
 store (each shard's part of the checkpoint, read when the job is submitted), and so do the float
 streams a QNN shard is calibrated with; the .pte bytes come back with the results and this process
@@ -39,12 +40,35 @@ def from_ray_flag(flag: str | None):
     return None if flag is None else RayExecutor(flag or None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """An argument many jobs take, in the object store once. Wrapped, so that Ray hands the job
+    its reference rather than a fresh copy: a worker that runs several such jobs reads it once."""
+
+    ref: object  # ray.ObjectRef
+
+
+_shared_in_this_worker: dict[str, object] = {}  # the last Shared argument read here, by object id
+
+
+def _value_of(arg):
+    if not isinstance(arg, Shared):
+        return arg
+    key = arg.ref.hex()
+    if key not in _shared_in_this_worker:
+        import ray
+
+        _shared_in_this_worker.clear()  # one at a time: a worker holds one run's float model
+        _shared_in_this_worker[key] = ray.get(arg.ref)
+    return _shared_in_this_worker[key]
+
+
 def run_job(fn, *args):
     """A job in a Ray worker: -> (its result, (where it ran, seconds, the worker's peak PSS)), two
     objects, so that a job taking this one's result takes it alone."""
     started = time.perf_counter()
     with PeakMemory() as memory:
-        result = fn(*args)
+        result = fn(*map(_value_of, args))
     return result, (f"{socket.gethostname()}:{os.getpid()}", time.perf_counter() - started, memory.peak)
 
 
@@ -208,7 +232,7 @@ def drive(address: str, jobs: list[Job], window: int, report) -> None:
     about one shard's weights at a time wait in the object store); report("start", name) as each
     is submitted and report("done", name, result, where, seconds, peak) as it finishes."""
     ray = connect(address)
-    task = ray.remote(max_calls=1)(run_job)
+    in_own_process, in_a_shared_process = ray.remote(max_calls=1)(run_job), ray.remote(run_job)
     submitted: dict[str, object] = {}  # job name -> ObjectRef of its result
     # An argument several jobs take (composite.tune's float model and its pass over the text) is
     # put in the object store once.
@@ -221,9 +245,9 @@ def drive(address: str, jobs: list[Job], window: int, report) -> None:
     def argument(a):
         if isinstance(a, Result):
             return submitted[a.name]
-        if uses[id(a)] > 1:
+        if uses[id(a)] > 1 and not isinstance(a, (type(None), bool, int, float, str)):
             if id(a) not in shared:
-                shared[id(a)] = ray.put(a)
+                shared[id(a)] = Shared(ray.put(a))
             return shared[id(a)]
         return portable(a)
 
@@ -241,6 +265,7 @@ def drive(address: str, jobs: list[Job], window: int, report) -> None:
                     options = {"num_cpus": 1, "max_retries": 3, "retry_exceptions": False}
                     if job.memory:
                         options["memory"] = job.memory
+                    task = in_own_process if job.own_process else in_a_shared_process
                     ref, facts = task.options(name=job.name, num_returns=2, **options).remote(job.fn, *args)
                     submitted[job.name] = ref
                     running[facts] = (job, ref)

@@ -136,7 +136,10 @@ def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cach
         print(f"measuring {len(todo)} choices ...", file=sys.stderr, flush=True)
     if executor is not None:
         results: dict = {}
-        jobs = [Job(f"measure {key[(g.index, choice_name(c))]}", measure, (sens, [(g, c)])) for g, c in todo]
+        jobs = [
+            Job(f"measure {key[(g.index, choice_name(c))]}", measure, (sens, [(g, c)]), own_process=False)
+            for g, c in todo
+        ]
         executor.run(jobs, lambda done: results.update(done.result))
     else:
         results = measure_in_two_processes(sens, groups, todo)
