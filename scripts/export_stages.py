@@ -28,7 +28,10 @@ STAGES = [
     ("XNNPACK preprocess: serialization", ("XnnpackBackend.preprocess",)),
     ("QNN preprocess (HTP compile)", ("QnnBackend.preprocess", "QnnBackend.preprocess_multimethod")),
     ("torch.export", ("export_methods", "_export", "export")),
-    ("to_edge (decompositions, edge passes)", ("_gen_edge_manager_for_partitioners", "to_edge", "_to_edge")),
+    (
+        "to_edge (decompositions, edge passes)",
+        ("_gen_edge_manager_for_partitioners", "to_edge", "EdgeProgramManager.transform"),
+    ),
     ("program serialization (to_executorch)", ("EdgeProgramManager.to_executorch",)),
     ("write + manifest check", ("write_shard",)),
 ]

@@ -247,19 +247,26 @@ class QnnShardLowering:
             )
         if self.options["weight_sharing"]:
             notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
-        edge = self._to_edge(graphs, compile_spec(self.options))
-        content_signatures(edge)
-        own = own_spill_fill(edge)
+        # Decomposing and QNN's edge passes are most of a shard's lowering time (two thirds of one
+        # 1B-shaped layer's): they do not depend on weight sharing, so the twin shares them.
+        edge = self._edge(graphs)
+        del graphs
+        twin_edge = copy_sharing_tensors(edge) if self.options["weight_sharing"] else None
+        partitioned = self._partitioned(edge, compile_spec(self.options))
+        del edge
+        content_signatures(partitioned)
+        own = own_spill_fill(partitioned)
         # one context per payload; the methods of a context share it (content_signatures made the
         # signature a hash of the rest)
         context_bytes = sum(
-            {m.processed_bytes[4:12]: len(m.processed_bytes) for m in qnn_backend_modules(edge)}.values()
+            {m.processed_bytes[4:12]: len(m.processed_bytes) for m in qnn_backend_modules(partitioned)}.values()
         )
-        shard = finish(edge, notes, self.planning())
-        del edge
+        shard = finish(partitioned, notes, self.planning())
+        del partitioned
         twin = None
-        if self.options["weight_sharing"]:
-            unshared = self._to_edge(graphs, compile_spec({**self.options, "weight_sharing": False}))
+        if twin_edge is not None:
+            unshared = self._partitioned(twin_edge, compile_spec({**self.options, "weight_sharing": False}))
+            del twin_edge
             content_signatures(unshared)
             twin = finish(unshared, [], self.planning()).buffer
         return shard, own, context_bytes, twin
@@ -281,15 +288,15 @@ class QnnShardLowering:
             return None
         return {method: native_io.planning_pass(*self._positions(method)) for method in self.names}
 
-    def _to_edge(self, graphs: dict, spec):
+    def _edge(self, graphs: dict):
+        """The methods' edge programs as to_edge_transform_and_lower makes them before it
+        partitions: decomposed but for the ops QNN keeps whole, then through QNN's edge passes."""
         from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
-        from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
         from executorch.backends.qualcomm.utils.utils import qnn_edge_config
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        from executorch.exir import to_edge_transform_and_lower
+        from executorch.exir.program._program import _gen_edge_manager_for_partitioners, lift_constant_tensor_pass
 
-        programs, passes, partitioners = {}, {}, {}
+        spec = compile_spec(self.options)
+        programs, passes = {}, {}
         for method, graph in graphs.items():
             with torch.no_grad():
                 exported = torch.export.export(graph, self.example_inputs[method], strict=False)
@@ -315,17 +322,48 @@ class QnnShardLowering:
                 skip_node_id_set=self.skip_ids,
                 skip_node_op_set=self.skip_ops,
             )
-            partitioners[method] = [
-                QnnPartitioner(spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops)
-            ]
-            if self.skip_ops or self.skip_ids:
-                partitioners[method].append(XnnpackPartitioner())
-        # One context holds every method's graph (ExecuTorch's multi-method preprocess); with weight
-        # sharing in the spec, they hold one copy of the weights between them.
-        with QnnManagerContext({method: spec for method in graphs}):
-            return to_edge_transform_and_lower(
-                programs, transform_passes=passes, partitioner=partitioners, compile_config=qnn_edge_config()
-            )
+        # ExecuTorch's own first step of to_edge_transform_and_lower (which has no public form that
+        # stops before partitioning); the QNN partitioner tells it which ops to keep whole.
+        edge = _gen_edge_manager_for_partitioners(
+            {method: self._partitioners(spec) for method in graphs}, programs, qnn_edge_config(), None, False
+        )
+        edge = edge.transform(passes)
+        for method in graphs:
+            lift_constant_tensor_pass(edge.exported_program(method))
+        return edge
+
+    def _partitioners(self, spec) -> list:
+        from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        partitioners = [QnnPartitioner(spec, skip_node_id_set=self.skip_ids, skip_node_op_set=self.skip_ops)]
+        if self.skip_ops or self.skip_ids:
+            partitioners.append(XnnpackPartitioner())
+        return partitioners
+
+    def _partitioned(self, edge, spec):
+        """`edge` with QNN's part compiled for `spec` (and what QNN skips given to XNNPACK). One
+        context holds every method's graph (ExecuTorch's multi-method preprocess); with weight
+        sharing in the spec, they hold one copy of the weights between them."""
+        from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+
+        methods = list(self.example_inputs)  # in the manifest's order (edge.methods is a set)
+        with QnnManagerContext({method: spec for method in methods}):
+            for partitioner in self._partitioners(spec):
+                edge = edge.to_backend({method: partitioner for method in methods})
+        return edge
+
+
+def copy_sharing_tensors(edge):
+    """A copy of an edge program manager that can be partitioned on its own (partitioning takes the
+    tensors it delegates out of its program's tables) without a second copy of the weights."""
+    tensors = {}
+    for method in edge.methods:
+        program = edge.exported_program(method)
+        for value in [*program.state_dict.values(), *program.constants.values()]:
+            if isinstance(value, torch.Tensor):
+                tensors[id(value)] = value
+    return copy.deepcopy(edge, memo=tensors)
 
 
 def share_equal_constants(graphs: dict) -> None:
