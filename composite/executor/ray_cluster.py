@@ -9,7 +9,8 @@ store (each shard's part of the checkpoint, read when the job is submitted), and
 streams a QNN shard is calibrated with; the .pte bytes come back with the results and this process
 writes them. A worker that dies is retried by Ray (the result is the same: a job's bytes do not
 depend on where it runs); a job submitted only when its inputs are done and a worker would be
-free keeps one shard's weights or so in the object store at a time.
+free keeps one shard's weights or so in the object store at a time. Tensors travel without copies
+(views of the object store in the worker, read-only): jobs never write into their arguments.
 
 Workers import this package (install it on every node) and, for QNN shards, must have the QNN host
 libraries on their loader path: start `ray start` after `eval "$(python -m composite.qnn_host env)"`.
@@ -89,6 +90,11 @@ def check_answers(address: str) -> None:
 
 
 def import_ray():
+    # Tensors put in the object store are read back as views of it rather than copies (Ray's own
+    # switch, read when Ray is imported). Measured on 0.8 GB of tensors (tune's at SmolLM2): put in
+    # 0.4 s instead of 1.4 s, a worker's first read 1.5 s instead of 2.7 s, later reads 0.005 s
+    # instead of 1-6 s. A job must therefore not write into the tensors it is given.
+    os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
     try:
         import ray
     except ImportError:
