@@ -1,6 +1,7 @@
-"""The steps of composite.tune (its CLI, __main__.py, parses and reports): read the inputs, then for
-each rotation searched measure every group's choices, search the frontier and measure the chosen
-recipe whole; keep the better rotation; write the config and its plot; verify by export.
+"""The steps of composite.tune (its CLI, __main__.py, parses and reports): read the inputs; build
+each searched rotation's model; measure every group's choices (every rotation's in one run on a
+cluster); for each rotation search the frontier and measure the chosen recipe whole; keep the better
+rotation; write the config and its plot; verify by export.
 """
 
 from __future__ import annotations
@@ -123,32 +124,39 @@ def measure_here(sens: Sensitivity, pairs: list) -> dict:
     return results
 
 
-def measure_sensitivities(sens: Sensitivity, groups, candidates, embedding, cache: ResultCache, executor=None) -> dict:
-    """(group index, choice name) -> {"kld", "top1", "seconds", "cached"}. What the cache does not
-    hold is measured in two processes (a fork of this one takes about half of the groups, each
-    process builds and calibrates its own groups' QNN graphs): measuring is mostly one thread of
-    Python and small tensors, which leaves the second core of a small machine idle otherwise.
-    executor (--ray): each (group, choice) a job of its own on the cluster instead."""
-    pairs = [(g, c) for g in groups for c in choices_for(g, candidates, embedding)]
-    key = {(g.index, choice_name(c)): f"{g.name}|{choice_name(c)}" for g, c in pairs}
-    todo = [(g, c) for g, c in pairs if cache.get(key[(g.index, choice_name(c))]) is None]
-    if todo:
-        print(f"measuring {len(todo)} choices ...", file=sys.stderr, flush=True)
+def measure_sensitivities(searches: list[Measuring], candidates, embedding, executor=None) -> list[dict]:
+    """For each rotation's search: (group index, choice name) -> {"kld", "top1", "seconds", "cached"}.
+    What its cache does not hold is measured in two processes (a fork of this one takes about half
+    of the groups, each process builds and calibrates its own groups' QNN graphs): measuring is
+    mostly one thread of Python and small tensors, which leaves the second core of a small machine
+    idle otherwise. executor (--ray): each (group, choice) of every search a job of its own, all in
+    one run on the cluster, so that its workers start and import torch once, not once per search."""
+
+    def key(group, choice) -> str:
+        return f"{group.name}|{choice_name(choice)}"
+
+    pairs = [(g, c) for g in searches[0].groups for c in choices_for(g, candidates, embedding)]
+    todo = [[(g, c) for g, c in pairs if m.cache.get(key(g, c)) is None] for m in searches]
+    if any(todo):
+        print(f"measuring {sum(map(len, todo))} choices ...", file=sys.stderr, flush=True)
     if executor is not None:
-        results: dict = {}
-        jobs = [
-            Job(f"measure {key[(g.index, choice_name(c))]}", measure, (sens, [(g, c)]), own_process=False)
-            for g, c in todo
-        ]
-        executor.run(jobs, lambda done: results.update(done.result))
+        results: list[dict] = [{} for _ in searches]
+        jobs, search_of = [], {}
+        for i, (m, pending) in enumerate(zip(searches, todo)):
+            for g, c in pending:
+                jobs.append(Job(f"measure {m.rotation}|{key(g, c)}", measure, (m.sens, [(g, c)]), own_process=False))
+                search_of[jobs[-1].name] = i
+        executor.run(jobs, lambda done: results[search_of[done.job.name]].update(done.result))
     else:
-        results = measure_in_two_processes(sens, groups, todo)
-    for (index, name), result in results.items():
-        cache.put(key[(index, name)], result)
-    return {
-        (g.index, choice_name(c)): {**cache.get(key[(g.index, choice_name(c))]), "cached": (g, c) not in todo}
-        for g, c in pairs
-    }
+        results = [measure_in_two_processes(m.sens, m.groups, pending) for m, pending in zip(searches, todo)]
+    measured = []
+    for m, pending, found in zip(searches, todo, results):
+        for g, c in pending:
+            m.cache.put(key(g, c), found[(g.index, choice_name(c))])
+        measured.append(
+            {(g.index, choice_name(c)): {**m.cache.get(key(g, c)), "cached": (g, c) not in pending} for g, c in pairs}
+        )
+    return measured
 
 
 def measure_in_two_processes(sens: Sensitivity, groups, todo: list) -> dict:
@@ -351,7 +359,9 @@ def tune(args, executor=None) -> dict:
             f"--budget-mb {args.budget_mb:g} is below the smallest recipe these candidates allow "
             f"({smallest / MB:.2f} MB): raise the budget or add smaller candidates"
         )
-    searches = [search(args, inputs, rotation, executor) for rotation in fitting]
+    measurings = [measuring(args, inputs, rotation) for rotation in fitting]
+    measured = measure_sensitivities(measurings, inputs.candidates, inputs.embedding, executor)
+    searches = [search(args, inputs, m, found) for m, found in zip(measurings, measured)]
     best = min(searches, key=lambda s: s.whole["kld"])  # the better at the budget, each measured whole
     output = Path(args.output)
     write_config(output, tuned_config(args, inputs.groups, best.chosen, best.rotation), header(args, best))
@@ -400,9 +410,19 @@ def smallest_bytes(args, inputs: Inputs, rotation: str) -> int:
     )
 
 
-def search(args, inputs: Inputs, rotation: str, executor) -> Search:
-    """Measure every group's choices with the model rotated as `rotation` says (a model of its
-    own), search the frontier, measure the chosen and the asked-for uniform recipes whole."""
+@dataclasses.dataclass
+class Measuring:
+    """One rotation's search before its measurements: its model (rotated as `rotation` says, a model
+    of its own), what measures it, and the cache of its measurements."""
+
+    rotation: str
+    model: object  # Transformer
+    groups: list[Group]
+    sens: Sensitivity
+    cache: ResultCache
+
+
+def measuring(args, inputs: Inputs, rotation: str) -> Measuring:
     model = inputs.loaded.part(True, range(inputs.loaded.args.n_layers), True).eval()
     rotate(model, rotation)
     groups, ctx = inputs.groups, args.ctx or args.max_seq_len
@@ -411,9 +431,15 @@ def search(args, inputs: Inputs, rotation: str, executor) -> Search:
         model, groups, inputs.tokenizer, inputs.bos, inputs.text, ctx, args.limit_tokens, args.score,
         args.max_seq_len, args.prefill_len, args.group_size, args.soc,
     )  # fmt: skip
-    measured = measure_sensitivities(sens, groups, inputs.candidates, inputs.embedding, cache, executor)
+    return Measuring(rotation, model, groups, sens, cache)
+
+
+def search(args, inputs: Inputs, m: Measuring, measured: dict) -> Search:
+    """From one rotation's measured choices: search the frontier, measure the chosen and the
+    asked-for uniform recipes whole."""
+    groups, sens, cache = m.groups, m.sens, m.cache
     per_group = options_per_group(
-        groups, inputs.candidates, inputs.embedding, measured, model.args, args.group_size, rotation
+        groups, inputs.candidates, inputs.embedding, measured, m.model.args, args.group_size, m.rotation
     )
     recipes = frontier(per_group)
     chosen = best_within(recipes, int(args.budget_mb * MB))  # the smallest recipe fits: checked
@@ -424,7 +450,7 @@ def search(args, inputs: Inputs, rotation: str, executor) -> Search:
         if label.split(" + ")[0] in inputs.measured_uniform
     }
     whole = measure_whole(sens, cache, groups, chosen)
-    return Search(rotation, sens, measured, per_group, recipes, chosen, whole, uniform, uniform_whole)
+    return Search(m.rotation, sens, measured, per_group, recipes, chosen, whole, uniform, uniform_whole)
 
 
 def measurement_settings(args, inputs: Inputs, model, rotation: str) -> dict:
