@@ -124,7 +124,7 @@ def measure_here(sens: Sensitivity, pairs: list) -> dict:
     return results
 
 
-def measure_sensitivities(searches: list[Measuring], candidates, embedding, executor=None) -> list[dict]:
+def measure_sensitivities(searches: list[Measuring], groups, candidates, embedding, executor=None) -> list[dict]:
     """For each rotation's search: (group index, choice name) -> {"kld", "top1", "seconds", "cached"}.
     What its cache does not hold is measured in two processes (a fork of this one takes about half
     of the groups, each process builds and calibrates its own groups' QNN graphs): measuring is
@@ -135,7 +135,7 @@ def measure_sensitivities(searches: list[Measuring], candidates, embedding, exec
     def key(group, choice) -> str:
         return f"{group.name}|{choice_name(choice)}"
 
-    pairs = [(g, c) for g in searches[0].groups for c in choices_for(g, candidates, embedding)]
+    pairs = [(g, c) for g in groups for c in choices_for(g, candidates, embedding)]
     todo = [[(g, c) for g, c in pairs if m.cache.get(key(g, c)) is None] for m in searches]
     if any(todo):
         print(f"measuring {sum(map(len, todo))} choices ...", file=sys.stderr, flush=True)
@@ -148,7 +148,7 @@ def measure_sensitivities(searches: list[Measuring], candidates, embedding, exec
                 search_of[jobs[-1].name] = i
         executor.run(jobs, lambda done: results[search_of[done.job.name]].update(done.result))
     else:
-        results = [measure_in_two_processes(m.sens, m.groups, pending) for m, pending in zip(searches, todo)]
+        results = [measure_in_two_processes(m.sens, groups, pending) for m, pending in zip(searches, todo)]
     measured = []
     for m, pending, found in zip(searches, todo, results):
         for g, c in pending:
@@ -360,7 +360,7 @@ def tune(args, executor=None) -> dict:
             f"({smallest / MB:.2f} MB): raise the budget or add smaller candidates"
         )
     measurings = [measuring(args, inputs, rotation) for rotation in fitting]
-    measured = measure_sensitivities(measurings, inputs.candidates, inputs.embedding, executor)
+    measured = measure_sensitivities(measurings, inputs.groups, inputs.candidates, inputs.embedding, executor)
     searches = [search(args, inputs, m, found) for m, found in zip(measurings, measured)]
     best = min(searches, key=lambda s: s.whole["kld"])  # the better at the budget, each measured whole
     output = Path(args.output)
@@ -412,12 +412,10 @@ def smallest_bytes(args, inputs: Inputs, rotation: str) -> int:
 
 @dataclasses.dataclass
 class Measuring:
-    """One rotation's search before its measurements: its model (rotated as `rotation` says, a model
-    of its own), what measures it, and the cache of its measurements."""
+    """One rotation's search before its measurements: what measures its model (rotated as `rotation`
+    says, a model of its own), and the cache of its measurements."""
 
     rotation: str
-    model: object  # Transformer
-    groups: list[Group]
     sens: Sensitivity
     cache: ResultCache
 
@@ -431,15 +429,15 @@ def measuring(args, inputs: Inputs, rotation: str) -> Measuring:
         model, groups, inputs.tokenizer, inputs.bos, inputs.text, ctx, args.limit_tokens, args.score,
         args.max_seq_len, args.prefill_len, args.group_size, args.soc,
     )  # fmt: skip
-    return Measuring(rotation, model, groups, sens, cache)
+    return Measuring(rotation, sens, cache)
 
 
 def search(args, inputs: Inputs, m: Measuring, measured: dict) -> Search:
     """From one rotation's measured choices: search the frontier, measure the chosen and the
     asked-for uniform recipes whole."""
-    groups, sens, cache = m.groups, m.sens, m.cache
+    groups, sens, cache = inputs.groups, m.sens, m.cache
     per_group = options_per_group(
-        groups, inputs.candidates, inputs.embedding, measured, m.model.args, args.group_size, m.rotation
+        groups, inputs.candidates, inputs.embedding, measured, inputs.loaded.args, args.group_size, m.rotation
     )
     recipes = frontier(per_group)
     chosen = best_within(recipes, int(args.budget_mb * MB))  # the smallest recipe fits: checked
