@@ -70,6 +70,20 @@ def export(output: Path, cached: bool = True, **overrides) -> Path:
     return run_export(build_config(None, values), ShardCache.from_environment() if cached else None)
 
 
+def lower_here(loaded, config, index: int) -> bytes:
+    """The .pte bytes of shard `index` of `config`, lowered in this process by the job an export
+    runs for it (CPU shards: no calibration chain)."""
+    from composite.executor.local import LocalExecutor
+    from composite.lowering.jobs import lowering_jobs
+    from composite.split.plan import plan_shards
+
+    specs = plan_shards(loaded.args, config.shards)
+    jobs = lowering_jobs(loaded, specs, config.placements(), config, None, None, [index])
+    lowered = []
+    LocalExecutor(0).run(jobs, lambda done: lowered.append(done.result.shard.buffer))
+    return lowered[-1]
+
+
 def run_cli(
     module: str, *args: str, check: bool = False, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
@@ -211,6 +225,17 @@ def default_8da4w_export(workdir) -> Path:
 @pytest.fixture(scope="session")
 def llama3_checkpoint(workdir) -> Path:
     folder = made_once(workdir / "llama3_ckpt", lambda p: write_meta_checkpoint(p, LLAMA3_PARAMS, seed=7))
+    return folder / "consolidated.00.pth"
+
+
+# For tests of the export's machinery (caching, resuming, races), not of a model: 3 layers, so each
+# shard of 1 or 3 lowers in about half the time the default's 6 layers take.
+SMALL_PARAMS = {**LLAMA3_PARAMS, "n_layers": 3, "vocab_size": 512}
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(workdir) -> Path:
+    folder = made_once(workdir / "small_ckpt", lambda p: write_meta_checkpoint(p, SMALL_PARAMS, seed=11))
     return folder / "consolidated.00.pth"
 
 

@@ -73,7 +73,7 @@ def test_qnn_precision_flag_sets_the_shards_without_their_own(tmp_path):
     assert precisions == [None, "16a4w", "16a8w"]
 
 
-def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared(tmp_path):
+def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared(tmp_path, small_checkpoint):
     out = tmp_path / "out"
     export = subprocess.Popen(
         [sys.executable, "-m", "composite.export", "--shards", "6", "--no-cache", "--output", str(out)],
@@ -94,7 +94,8 @@ def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared
 
     stale = tmp_path / ".out.partial-999999999-abc"  # a process id no process has
     stale.mkdir()
-    result = run_cli("composite.export", "--max-seq-len", "32", "--prefill-len", "4", "--output", str(out))
+    args = ["--checkpoint", str(small_checkpoint), "--max-seq-len", "32", "--prefill-len", "4"]
+    result = run_cli("composite.export", *args, "--output", str(out))
     assert result.returncode == 0, result.stderr
     assert not stale.exists() and (out / "manifest.json").is_file()
 

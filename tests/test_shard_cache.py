@@ -88,11 +88,12 @@ def test_a_corrupt_entry_is_dropped_and_lowered_again(cold, workdir):
     assert shard_hashes(workdir / "cache_repaired") == shard_hashes(cold_export)
 
 
-def test_two_exports_at_once_leave_a_sound_cache(workdir):
+def test_two_exports_at_once_leave_a_sound_cache(workdir, small_checkpoint):
     """Both lower the same one-shard export and store it under one key at the same time."""
     cache = workdir / "shard_cache_race"
     env = {**os.environ, "COMPOSITE_CACHE": str(cache)}
-    args = ["--shards", "1", "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-len", str(PREFILL_LEN)]
+    args = ["--checkpoint", str(small_checkpoint), "--shards", "1", "--max-seq-len", str(MAX_SEQ_LEN)]
+    args += ["--prefill-len", str(PREFILL_LEN)]
     runs = [
         subprocess.Popen(
             [sys.executable, "-m", "composite.export", *args, "--output", str(workdir / f"race_{i}")],

@@ -14,7 +14,7 @@ import weakref
 import pytest
 
 from composite.model.weights import WeightSource
-from conftest import REPO, assert_clean_failure, export, run_cli
+from conftest import REPO, assert_clean_failure, lower_here, run_cli
 
 MB = 1 << 20
 
@@ -48,43 +48,16 @@ class CountingWeights(WeightSource):
         return self.inner._hash(names)
 
 
-def peaks_per_job(loaded, config) -> list[tuple[int, int]]:
-    """(peak float bytes alive, float bytes read) of each shard's lowering job, run in this process
-    one after another, each counted alone."""
-    from composite.executor.local import LocalExecutor
-    from composite.lowering.jobs import lowering_jobs
-    from composite.split.plan import plan_shards
-
-    source, peaks = loaded.weights, []
-    specs = plan_shards(loaded.args, config.shards)
-    for spec in specs:
+def lower_each_job_alone(loaded, config) -> list[tuple[int, int, bytes]]:
+    """(peak float bytes alive, float bytes read, .pte bytes) of each shard's lowering job, run in
+    this process one after another, each counted alone."""
+    source, measured = loaded.weights, []
+    for index in range(config.shards):
         loaded.weights = counting = CountingWeights(source)
-        jobs = lowering_jobs(loaded, specs, config.placements(), config, None, None, [spec.index])
-        LocalExecutor(0).run(jobs, lambda done: None)
-        peaks.append((counting.peak, counting.total))
-    return peaks
-
-
-@pytest.mark.parametrize("quantize", ["8da4w", "none"])
-def test_a_lowering_job_holds_one_units_float_weights_at_a_time(quantize):
-    """A quantized shard's float weights go unit by unit (only the embedding, the head and one layer
-    are ever alive); an fp32 shard's stay, its own and no more. (What a job leaves alive in its
-    process, torch.export's process-wide maps pin the last graphs and their constants, goes with
-    the process: every lowering job gets one of its own.)"""
-    from composite.config import build_config
-    from composite.model.default import load_default
-    from composite.split.plan import plan_shards, unit_bytes
-
-    loaded = load_default()
-    config = build_config(None, {"shards": 3, "max_seq_len": 32, "prefill_len": 8, "xnnpack": {"quantize": quantize}})
-    units = unit_bytes(loaded.args)  # [embedding, layers..., head], float32 bytes
-    for spec, (peak, read) in zip(plan_shards(loaded.args, 3), peaks_per_job(loaded, config)):
-        own = units[0] * spec.has_embedding + sum(units[1 + i] for i in spec.layers) + units[-1] * spec.has_head
-        assert read >= own - loaded.args.dim  # every tensor of the shard read (the final norm counts in the head)
-        assert peak <= own
-        if quantize != "none" and len(spec.layers) > 1:
-            norms = len(spec.layers) * 2 * loaded.args.dim * 4  # not quantized: every layer's stay
-            assert peak <= units[0] * spec.has_embedding + units[1] + units[-1] * spec.has_head + norms
+        buffer = lower_here(loaded, config, index)
+        measured.append((counting.peak, counting.total, buffer))
+    loaded.weights = source
+    return measured
 
 
 def whole_model_lowering(checkpoint: str | None, config, index: int) -> bytes:
@@ -115,26 +88,50 @@ def whole_model_lowering(checkpoint: str | None, config, index: int) -> bytes:
     return finish(edge, lowering_notes + notes).buffer
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param({"shards": 3, "xnnpack": {"quantize": "8da4w"}, "embedding_quantize": "4,32"}, id="8da4w-emb4"),
-        pytest.param({"shards": 2, "xnnpack": {"quantize": "8da8w"}, "llama3": True}, id="tied-8da8w-rotated"),
-    ],
-)
-def test_streamed_shards_are_the_whole_models_lowering(workdir, llama3_checkpoint, case):
+# One case lowers every kind of unit a streamed job reads: a quantized embedding table, layers of
+# more than one in a shard, and a head tied to the table, in a model the export rotates.
+STREAMED_CASES = [
+    pytest.param(
+        {
+            "shards": 2,
+            "xnnpack": {"quantize": "8da4w"},
+            "embedding_quantize": "4,32",
+            "rotate": "hadamard-ffn",
+            "llama3": True,
+        },
+        id="tied-rotated-8da4w-emb4",
+    ),
+    pytest.param({"shards": 3, "xnnpack": {"quantize": "none"}}, id="fp32"),
+]
+
+
+@pytest.mark.parametrize("case", STREAMED_CASES)
+def test_a_lowering_job_holds_one_units_float_weights_at_a_time(llama3_checkpoint, case):
+    """A quantized shard's float weights go unit by unit (only the embedding, the head and one layer
+    are ever alive); an fp32 shard's stay, its own and no more. (What a job leaves alive in its
+    process, torch.export's process-wide maps pin the last graphs and their constants, goes with
+    the process: every lowering job gets one of its own.) A quantized shard's streamed .pte is
+    byte for byte what lowering it from the whole model in memory gives."""
     from composite.config import build_config
+    from composite.model.checkpoint import load_checkpoint
+    from composite.split.plan import plan_shards, unit_bytes
 
     case = dict(case)
     checkpoint = str(llama3_checkpoint) if case.pop("llama3", False) else None
-    values = {"max_seq_len": 32, "prefill_len": 8, "checkpoint": checkpoint, **case}
-    folder = export(workdir / f"streamed_{'_'.join(str(v) for v in case.values())}".replace(" ", ""), **values)
-    config = build_config(None, values)
-    if checkpoint:
-        assert config.rotation() == "hadamard-ffn"
-    for index in range(config.shards):
-        streamed = (folder / f"shard_{index:02d}.pte").read_bytes()
-        assert streamed == whole_model_lowering(checkpoint, config, index), f"shard {index}"
+    config = build_config(None, {"max_seq_len": 32, "prefill_len": 8, "checkpoint": checkpoint, **case})
+    quantized = config.placements()[0].options["quantize"] != "none"
+    loaded = load_checkpoint(checkpoint, None)
+    units = unit_bytes(loaded.args)  # [embedding, layers..., head], float32 bytes
+    specs = plan_shards(loaded.args, config.shards)
+    assert any(len(spec.layers) > 1 for spec in specs)
+    for spec, (peak, read, streamed) in zip(specs, lower_each_job_alone(loaded, config)):
+        own = units[0] * spec.has_embedding + sum(units[1 + i] for i in spec.layers) + units[-1] * spec.has_head
+        assert read >= own - loaded.args.dim  # every tensor of the shard read (the final norm counts in the head)
+        assert peak <= own
+        if quantized:
+            norms = len(spec.layers) * 2 * loaded.args.dim * 4  # not quantized: every layer's stay
+            assert peak <= units[0] * spec.has_embedding + units[1] + units[-1] * spec.has_head + norms
+            assert streamed == whole_model_lowering(checkpoint, config, spec.index), f"shard {spec.index}"
 
 
 def test_auto_cut_fills_the_npu_shards_up_to_their_budget():
@@ -197,13 +194,15 @@ def children_of(pid: int) -> list[int]:
     return [p for p in descendants(pid) if p != pid]
 
 
-def start_export(output, cache) -> subprocess.Popen:
+def start_export(output, cache, checkpoint) -> subprocess.Popen:
     env = {**os.environ, "COMPOSITE_CACHE": str(cache), "COMPOSITE_EXPORT_WORKERS": "1"}
     args = [
+        "--checkpoint",
+        str(checkpoint),
         "--shards",
         "3",
         "--quantize",
-        "8da4w",
+        "none",
         "--max-seq-len",
         "40",
         "--prefill-len",
@@ -231,9 +230,9 @@ def wait_for(condition, seconds: float = 120.0):
     raise AssertionError("timed out")
 
 
-def test_a_lowering_process_that_dies_ends_the_export_in_one_line(tmp_path):
+def test_a_lowering_process_that_dies_ends_the_export_in_one_line(tmp_path, small_checkpoint):
     output = tmp_path / "out"
-    export_process = start_export(output, "off")
+    export_process = start_export(output, "off", small_checkpoint)
     child = wait_for(lambda: children_of(export_process.pid))[0]
     os.kill(child, signal.SIGKILL)
     _, err = export_process.communicate(timeout=120)
@@ -245,16 +244,16 @@ def test_a_lowering_process_that_dies_ends_the_export_in_one_line(tmp_path):
     assert not output.exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
-def test_an_export_stopped_midway_keeps_its_finished_shards_and_resumes(tmp_path):
+def test_an_export_stopped_midway_keeps_its_finished_shards_and_resumes(tmp_path, small_checkpoint):
     cache, output = tmp_path / "cache", tmp_path / "out"
-    first = start_export(output, cache)
+    first = start_export(output, cache, small_checkpoint)
     wait_for(lambda: list(cache.glob("??/*/shard.pte")))  # the first shard is stored as soon as it is done
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
     assert first.returncode != 0 and not output.exists()
     stored = len(list(cache.glob("??/*/shard.pte")))
     assert 1 <= stored < 3
-    second = start_export(output, cache)
+    second = start_export(output, cache, small_checkpoint)
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err
     assert f"3 shards ({stored} of them from the cache)" in out

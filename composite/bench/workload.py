@@ -47,7 +47,7 @@ DIMS = {
         dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=512, prompt_tokens=308, new_tokens=128
     ),
     # Small enough for CI: keeps the benchmark script itself working.
-    "tiny": Dims(dim=64, n_layers=4, n_heads=4, vocab_size=512, max_seq_len=64, prompt_tokens=24, new_tokens=8),
+    "tiny": Dims(dim=64, n_layers=2, n_heads=4, vocab_size=512, max_seq_len=64, prompt_tokens=24, new_tokens=8),
 }
 
 
