@@ -33,7 +33,7 @@ cmake_bin=$(python3 -c "import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR
 stage "ctest"
 COMPOSITE_CACHE="$COMPOSITE_TEST_SHARD_CACHE" bash scripts/sanitize.sh build-sanitized   # unit tests + one generation + bad inputs under ASan/UBSan
 stage "sanitizers"
-bash scripts/fuzz.sh 15 build-sanitized    # libFuzzer (the same build): manifest, tiktoken, both tokenizers
+bash scripts/fuzz.sh 5 build-sanitized     # libFuzzer (the same build): manifest, tiktoken, both tokenizers
 stage "fuzzers"
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"
