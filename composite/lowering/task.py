@@ -213,7 +213,14 @@ def _lower_qnn(work: ShardWork, examples, names, stages) -> tuple[LoweredShard, 
     from composite.lowering.qnn import lower_qnn_shard
 
     lowered = lower_qnn_shard(
-        lambda: load_shard(work), examples, names, work.placement.options, work.calls, work.stream, work.max_seq_len
+        lambda: load_shard(work),
+        examples,
+        names,
+        work.placement.options,
+        work.calls,
+        work.stream,
+        work.max_seq_len,
+        work.next_stream,
     )
     stages.update(lowered.stages)
     qnn = {
