@@ -307,10 +307,15 @@ def qnn_fp16_cli(workdir: Path) -> CliExport:
     return cli_export(workdir, "qnn_fp16_6", SIX_SHARDS_QNN)
 
 
+# Two adjacent quantized QNN shards (each ~2x an fp16 one to lower): every boundary a QNN shard has,
+# CPU to QNN, QNN to QNN, QNN to CPU; the CPU shards are the 6-shard default's, from the run's cache.
+QUANTIZED_PLACEMENT = ["xnnpack", "xnnpack", "xnnpack", "qnn", "qnn", "xnnpack"]
+
+
 def qnn_quantized_cli(workdir: Path, precision: str) -> CliExport:
-    """The same placement with quantized QNN shards (8 calibration samples per method), not
-    rotated: tests/test_qnn_native_io.py records their SQNR."""
-    config = {**SIX_SHARDS_QNN, "rotate": "none"}
+    """Shards 3 and 4 on QNN at `precision` (8 calibration samples per method), not rotated:
+    tests/test_qnn_native_io.py records their SQNR."""
+    config = {**SIX_SHARDS_QNN, "placement": QUANTIZED_PLACEMENT, "rotate": "none"}
     config["qnn"] = {**config["qnn"], "precision": precision, "calibration": {"samples": 8}}
     return cli_export(workdir, f"qnn_{precision}_6", config)
 

@@ -97,7 +97,7 @@ STREAMED_CASES = [
             "xnnpack": {"quantize": "8da4w"},
             "embedding_quantize": "4,32",
             "rotate": "hadamard-ffn",
-            "llama3": True,
+            "small": True,
         },
         id="tied-rotated-8da4w-emb4",
     ),
@@ -106,7 +106,7 @@ STREAMED_CASES = [
 
 
 @pytest.mark.parametrize("case", STREAMED_CASES)
-def test_a_lowering_job_holds_one_units_float_weights_at_a_time(llama3_checkpoint, case):
+def test_a_lowering_job_holds_one_units_float_weights_at_a_time(small_checkpoint, case):
     """A quantized shard's float weights go unit by unit (only the embedding, the head and one layer
     are ever alive); an fp32 shard's stay, its own and no more. (What a job leaves alive in its
     process, torch.export's process-wide maps pin the last graphs and their constants, goes with
@@ -117,7 +117,7 @@ def test_a_lowering_job_holds_one_units_float_weights_at_a_time(llama3_checkpoin
     from composite.split.plan import plan_shards, unit_bytes
 
     case = dict(case)
-    checkpoint = str(llama3_checkpoint) if case.pop("llama3", False) else None
+    checkpoint = str(small_checkpoint) if case.pop("small", False) else None
     config = build_config(None, {"max_seq_len": 32, "prefill_len": 8, "checkpoint": checkpoint, **case})
     quantized = config.placements()[0].options["quantize"] != "none"
     loaded = load_checkpoint(checkpoint, None)

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from executorch.runtime import Runtime
 
 from composite import qnn_host
 from composite.errors import UserError
@@ -596,6 +595,9 @@ def measure(
     inputs, native I/O converted as the runners convert it. A trained model's residual stream
     holds single values of ~25,000 on its first token, which dominate a whole tensor's SQNR: the
     worst token shows the rest."""
+    # Loaded here, not on import: the CLIs that import this module answer bad flags in a second.
+    from executorch.runtime import Runtime
+
     program = Runtime.get().load_program(buffer)
     result, worst = {}, {}
     for method in names:  # decode, then prefill, as the manifest lists methods
