@@ -49,6 +49,9 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
     need. write_to: a folder the jobs write their .pte files into (where they share this disk),
     named as shard_file() names them; None: the files' bytes come back with the results."""
     methods = {DECODE: 1, PREFILL: config.prefill_len}
+    # Local jobs run in processes forked from this one: ExecuTorch loaded here once, not in each of
+    # them (2.6 s apiece). Not on import: the CLIs answer bad flags without it.
+    import executorch.runtime  # noqa: F401
 
     def work(index: int, **extra) -> ShardWork:
         return ShardWork(
