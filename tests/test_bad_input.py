@@ -133,14 +133,14 @@ def test_export_summary_and_manifest(default_exports):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MB tmpfs: too small for any shard. Needs root (CI runs as root)."""
+    """A 256 KB tmpfs: too small for any shard. Needs root (CI runs as root)."""
     import subprocess
 
     mount_point = tmp_path / "small_disk"
     mount_point.mkdir()
     if (
         subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount_point)], capture_output=True
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True
         ).returncode
         != 0
     ):
@@ -149,14 +149,14 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount_point)], check=True)
 
 
-def test_out_of_disk_space_keeps_the_previous_export(small_disk):
+def test_out_of_disk_space_keeps_the_previous_export(small_disk, small_checkpoint):
     previous = small_disk / "out"
     previous.mkdir()
     manifest = json.dumps({"format": "composite-manifest", "note": "an earlier export"})
     (previous / "manifest.json").write_text(manifest)
-    result = run_cli(
-        "composite.export", "--output", str(previous), "--max-seq-len", "32", "--prefill-len", "4"
-    )  # the shard test_first_hour's stale-folder export lowers: from the run's shard cache
+    # the shard test_first_hour's stale-folder export lowers (0.8 MB): from the run's shard cache
+    args = ["--checkpoint", str(small_checkpoint), "--max-seq-len", "32", "--prefill-len", "4"]
+    result = run_cli("composite.export", *args, "--output", str(previous))
     assert_clean_failure(result, "out of disk space")
     assert sorted(p.name for p in small_disk.iterdir()) == ["out"]  # no staging folder left behind
     assert [p.name for p in previous.iterdir()] == ["manifest.json"]
