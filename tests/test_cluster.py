@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_clean_failure, export, qnn_fp16_cli, run_cli
+from conftest import MAX_SEQ_LEN, PREFILL_LEN, REPO, assert_clean_failure, qnn_fp16_cli, run_cli
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 NODE = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats"]
@@ -99,12 +99,9 @@ def test_an_export_with_qnn_shards_on_the_cluster_is_the_local_export(workdir, c
     assert len({job["where"] for job in jobs}) == 6  # each shard in a Ray worker of its own
 
 
-def test_a_worker_killed_mid_job_is_retried_to_the_same_bytes(small_checkpoint, cluster, tmp_path):
-    # the shard test_first_hour's stale-folder export lowers: locally, from the run's shard cache
-    settings = {"checkpoint": str(small_checkpoint), "max_seq_len": 32, "prefill_len": 4}
-    local = export(tmp_path / "local", **settings)
+def test_a_worker_killed_mid_job_is_retried_to_the_same_bytes(default_exports, cluster, tmp_path):
     output = tmp_path / "retried"
-    args = ["--checkpoint", str(small_checkpoint), "--max-seq-len", "32", "--prefill-len", "4"]
+    args = ["--shards", "3", "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-len", str(PREFILL_LEN)]
     exporting = subprocess.Popen(
         [sys.executable, "-m", "composite.export", *args, "--output", str(output), "--ray", cluster],
         cwd=REPO,
@@ -120,7 +117,7 @@ def test_a_worker_killed_mid_job_is_retried_to_the_same_bytes(small_checkpoint, 
     _, err = exporting.communicate(timeout=600)
     assert killed is not None, "no Ray worker ran a lowering job"
     assert exporting.returncode == 0, err
-    assert pte_bytes(output) == pte_bytes(local)
+    assert pte_bytes(output) == pte_bytes(default_exports[3])
 
 
 @pytest.mark.skipif(not TEXT.is_file(), reason=f"{TEXT} (Debian's base-files) is not on this machine")

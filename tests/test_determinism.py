@@ -39,5 +39,6 @@ def test_seeded_sampling_repeats(default_exports):
         )
         return json.loads(result.stdout)["tokens"]
 
-    assert sample("11") == sample("11")
-    assert sample("11") != sample("12")
+    first = sample("11")
+    assert sample("11") == first
+    assert sample("12") != first
