@@ -51,10 +51,8 @@ def quantized_exports(qnn_ready, workdir):
 @pytest.mark.parametrize("precision", sorted(FLOAT_IO_SQNR))
 def test_quantized_shard_sqnr_is_printed_and_within_3_db_of_float_io(quantized_exports, precision):
     folder, stdout = quantized_exports[precision]
-    qnn = [i for i, backend in enumerate(QUANTIZED_PLACEMENT) if backend == "qnn"]
-    for index, float_io in FLOAT_IO_SQNR[precision].items():
-        if index not in qnn:
-            continue
+    for index in (i for i, backend in enumerate(QUANTIZED_PLACEMENT) if backend == "qnn"):
+        float_io = FLOAT_IO_SQNR[precision][index]
         shard = manifest_schema.read(folder)["shards"][index]
         assert shard["backends"] == ["QnnBackend"]
         measured = (shard["sqnr_db"]["decode"]["hidden"], shard["sqnr_db"]["prefill"]["hidden"])

@@ -220,7 +220,7 @@ def _lower_qnn(work: ShardWork, examples, names, stages) -> tuple[LoweredShard, 
         work.calls,
         work.stream,
         work.max_seq_len,
-        work.next_stream,
+        next_stream=work.next_stream,
     )
     stages.update(lowered.stages)
     qnn = {
