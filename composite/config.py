@@ -131,6 +131,11 @@ class Placement:
         ]
         return "+".join([self.backend, *extras])
 
+    @property
+    def quantized_qnn(self) -> bool:
+        """A QNN shard with fixed-point activations (calibrated), not fp16."""
+        return self.backend == "qnn" and self.options["precision"] != "fp16"
+
 
 @dataclass
 class ExportConfig:
@@ -165,7 +170,7 @@ class ExportConfig:
             if placement.backend == "xnnpack" and options["quantize"] != "none":
                 weight_bits.add(4 if options["quantize"] == "8da4w" else 8)
                 quantized_backends.add("xnnpack")
-            elif placement.backend == "qnn" and options["precision"] != "fp16":
+            elif placement.quantized_qnn:
                 for precision in (options["precision"], *(options.get("overrides") or {}).values()):
                     weight_bits.add(4 if precision.endswith("4w") else 8)
                 quantized_backends.add("qnn")

@@ -46,7 +46,7 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2
-    elif work.placement.backend == "qnn" and work.placement.options["precision"] != "fp16":
+    elif work.placement.quantized_qnn:
         factor = 5.5
     else:
         factor = 2.0
@@ -94,7 +94,7 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
             return (Result(f"float shard {index}{chain}"),) if index >= 0 else (None,)
 
         # A quantized QNN shard's hidden output gets the range of the float chain's output of it.
-        ranged = [i for i in indices if placements[i].options["precision"] != "fp16" and not specs[i].has_head]
+        ranged = [i for i in indices if placements[i].quantized_qnn and not specs[i].has_head]
         for index in range(max([max(indices) - 1, *ranged]) + 1):
             shard_work = work(index, calls=calls)
             float_jobs.append(
