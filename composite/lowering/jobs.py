@@ -39,15 +39,14 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     Measured (the job's summed PSS above the process, per float32 byte of its weights): an XNNPACK
     8da4w shard of 6 layers of the Llama-3.2-1B shape, 1.4x. A quantized QNN shard holds far more
     than its weights (calibration's observed graphs, then per method the converted, decomposed and
-    edge graphs, of ~1,900 nodes per layer, and the HTP compile's own copies, twice when the shard
-    is weight-shared): 16a4w, weight-shared, context 1024, 2026-12-05: one 1B-shaped layer 1.93 GB
-    (5.5x), 3B-shaped shards of 1, 2 and 3 layers 2.42, 4.50 and 6.74 GB (2.1-2.2 GB, 5.2-5.6x,
-    a layer)."""
+    edge graphs, and the HTP compiles' own copies, which stay until the job ends: two compiles when
+    the shard is weight-shared): 16a4w, weight-shared, context 1024, 2026-12-05, 3B-shaped shards
+    of 1 and 2 layers 2.14 and 4.03 GB (1.9 GB, 4.7x, a layer)."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2
     elif work.placement.quantized_qnn:
-        factor = 5.5
+        factor = 4.7
     else:
         factor = 2.0
     return PROCESS_BYTES + int(weights * factor)
