@@ -311,18 +311,21 @@ def plan(args, config: ExportConfig, placements: list[Placement]) -> list[ShardS
     return plan_shards(args, n, counts)
 
 
-def terminated(signum, _frame):
+def terminated(signum: int, cached: bool) -> None:
     """Clean up here and leave at once. An exception raised from a signal handler can land where
     Python ignores it (a fork hook, a finalizer: seen in CI), and the export would carry on."""
     ForkedCall.kill_all()
     staging.remove_unfinished()
+    kept = "; the shards lowered so far are in the shard cache: the same command resumes" if cached else ""
+    quiet.say_at_once(f"error: the export was stopped ({signal.Signals(signum).name}); nothing was written{kept}")
     os._exit(128 + signum)
 
 
 @exits_cleanly
 def main(argv=None) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, terminated)
+    cache = None if args.no_cache else ShardCache.from_environment()
+    signal.signal(signal.SIGTERM, lambda signum, _frame: terminated(signum, cached=cache is not None))
     config = config_from_flags(args)
     if any(p.backend == "qnn" for p in config.placements()):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
@@ -331,7 +334,7 @@ def main(argv=None) -> None:
         with quiet.filtered_native_stderr(args.verbose):
             run_export(
                 config,
-                None if args.no_cache else ShardCache.from_environment(),
+                cache,
                 executor,
                 summary=Path(args.json) if args.json else None,
             )

@@ -52,6 +52,15 @@ def strip_routine(text: bytes, after_routine: bool = False) -> tuple[bytes, bool
     return stripped, ends_with_routine or (after_routine and not text)
 
 
+_unfiltered_stderr: int | None = None  # the real stderr while filtered_native_stderr is active
+
+
+def say_at_once(line: str) -> None:
+    """Write one line to the real stderr now, past the filter's thread: for a process about to
+    leave with os._exit, which gives that thread no time to forward it."""
+    os.write(2 if _unfiltered_stderr is None else _unfiltered_stderr, (line + "\n").encode())
+
+
 @contextlib.contextmanager
 def filtered_native_stderr(verbose: bool = False):
     """Inside: fd 2 is a pipe whose lines are forwarded to the real stderr unless routine.
@@ -66,6 +75,8 @@ def filtered_native_stderr(verbose: bool = False):
     os.close(write_end)
 
     forward_to = os.dup(real_stderr)  # the thread's own copy: `real_stderr` is closed on the way out
+    global _unfiltered_stderr
+    _unfiltered_stderr = real_stderr
 
     def forward():
         with os.fdopen(read_end, "rb") as pipe, os.fdopen(forward_to, "wb", buffering=0) as out:
@@ -86,6 +97,7 @@ def filtered_native_stderr(verbose: bool = False):
         yield
     finally:
         sys.stderr.flush()
+        _unfiltered_stderr = None
         os.dup2(real_stderr, 2)  # closes the pipe's last write end: the thread sees end of file
         os.close(real_stderr)
         thread.join(timeout=10)

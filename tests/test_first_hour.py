@@ -90,6 +90,8 @@ def test_a_terminated_export_leaves_no_partial_folder_and_stale_ones_are_cleared
     _, stderr = export.communicate(timeout=120)
     assert export.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert line == "error: the export was stopped (SIGTERM); nothing was written", line  # --no-cache: no resuming
     assert not list(tmp_path.glob(".out.partial-*")) and not out.exists()
 
     stale = tmp_path / ".out.partial-999999999-abc"  # a process id no process has

@@ -250,8 +250,9 @@ def test_an_export_stopped_midway_keeps_its_finished_shards_and_resumes(tmp_path
     first = start_export(output, cache, small_checkpoint)
     wait_for(lambda: list(cache.glob("??/*/shard.pte")))  # the first shard is stored as soon as it is done
     first.send_signal(signal.SIGTERM)
-    first.communicate(timeout=120)
+    _, err = first.communicate(timeout=120)
     assert first.returncode != 0 and not output.exists()
+    assert "nothing was written; the shards lowered so far are in the shard cache: the same command resumes" in err
     stored = len(list(cache.glob("??/*/shard.pte")))
     assert 1 <= stored < 3
     second = start_export(output, cache, small_checkpoint)
