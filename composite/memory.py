@@ -27,8 +27,8 @@ def pss_bytes(pid: int) -> int | None:
     return None
 
 
-def descendants(root: int) -> list[int]:
-    """root and every process below it."""
+def process_tree(root: int) -> dict[int, list[int]]:
+    """root and every process below it: pid -> its children."""
     children: dict[int, list[int]] = {}
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
@@ -40,12 +40,17 @@ def descendants(root: int) -> list[int]:
         # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after its last ')'
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
+    tree, todo = {}, [root]
     while todo:
         pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
+        tree[pid] = children.get(pid, [])
+        todo += tree[pid]
+    return tree
+
+
+def descendants(root: int) -> list[int]:
+    """root and every process below it."""
+    return list(process_tree(root))
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -92,8 +97,9 @@ def gb(value: int | None) -> str:
 class PeakMemory:
     """Samples the summed PSS of this process's tree every `interval` seconds (longer where a sample
     is costly) while in use
-    (`with PeakMemory() as memory: ...; memory.peak`); also each process's own peak, so that the
-    work a process did can be told its share (`peak_of(pid)`)."""
+    (`with PeakMemory() as memory: ...; memory.peak`); also the peak of the root process alone and
+    of each process it started, with that one's own children (a job and the forks it makes), so
+    that the work a process did can be told its share (`peak_of(pid)`)."""
 
     def __init__(self, interval: float = 0.25, root: int | None = None):
         self.interval, self.root = interval, root or os.getpid()
@@ -104,22 +110,24 @@ class PeakMemory:
         self._lock = threading.Lock()
 
     def sample(self) -> int | None:
-        total, seen = 0, False
-        for pid in descendants(self.root):
-            pss = pss_bytes(pid)
-            if pss is None:
-                continue
-            seen = True
-            total += pss
-            with self._lock:
-                self.per_process[pid] = max(self.per_process.get(pid, 0), pss)
-        if not seen:
+        tree = process_tree(self.root)
+        own = {pid: pss for pid in tree if (pss := pss_bytes(pid)) is not None}
+        if not own:
             return None
+
+        def below(pid: int) -> int:  # a process and the processes it started (a job's own forks)
+            return own.get(pid, 0) + sum(below(child) for child in tree[pid])
+
+        total = below(self.root)
         with self._lock:
+            self.per_process[self.root] = max(self.per_process.get(self.root, 0), own.get(self.root, 0))
+            for pid in tree[self.root]:
+                self.per_process[pid] = max(self.per_process.get(pid, 0), below(pid))
             self.peak = max(self.peak or 0, total)
         return total
 
     def peak_of(self, pid: int) -> int | None:
+        """The peak of the root process alone, or of a process below it with its own children."""
         with self._lock:
             return self.per_process.get(pid)
 

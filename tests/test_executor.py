@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
 from composite.errors import UserError
 from composite.executor.fork import ForkedCall, ProcessDied, split_work
+from composite.memory import PeakMemory
 
 
 def write_to_a_full_disk(path):
@@ -54,6 +58,62 @@ def test_a_child_killed_mid_call_is_reported_with_its_signal():
     with pytest.raises(ProcessDied, match=r"killed by signal 9 \(SIGKILL\), most likely by the out-of-memory killer"):
         call.result()
     assert call.pid is None and not ForkedCall.running
+
+
+def die_in_a_fork_of_its_own():
+    return ForkedCall(die).result()
+
+
+def test_a_fork_of_a_forked_call_that_dies_is_the_callers_process_died():
+    with pytest.raises(ProcessDied, match=r"^killed by signal 9 \(SIGKILL\), most likely by the out-of-memory killer$"):
+        ForkedCall(die_in_a_fork_of_its_own).result()
+
+
+def wait_in_a_fork_of_its_own(pid_file):
+    inner = ForkedCall(time.sleep, (600,))
+    pid_file.write_text(str(inner.pid))
+    return inner.result()
+
+
+def test_a_forked_call_killed_takes_its_own_forks_with_it(tmp_path):
+    pid_file = tmp_path / "inner.pid"
+    outer = ForkedCall(wait_in_a_fork_of_its_own, (pid_file,))
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    inner = int(pid_file.read_text())
+    outer.stop()  # SIGKILL, as a stopped export ends its jobs
+    try:
+        while Path(f"/proc/{inner}").exists() and "State:\tZ" not in Path(f"/proc/{inner}/status").read_text():
+            assert time.monotonic() < deadline, "the inner fork outlived the call that made it"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(inner, signal.SIGKILL)
+
+
+def hold(size: int) -> None:
+    held = bytearray(b"\x01") * size  # written, so resident
+    time.sleep(1.0)
+    del held
+
+
+def hold_in_a_fork_of_its_own(size: int) -> int:
+    return ForkedCall(hold, (size,)).result()
+
+
+def test_a_jobs_peak_memory_counts_the_forks_it_makes():
+    size = 600 << 20
+    memory = PeakMemory()
+    outer = ForkedCall(hold_in_a_fork_of_its_own, (size,))
+    pid = outer.pid
+    for _ in range(15):  # past the second the inner fork holds its bytes
+        memory.sample()
+        time.sleep(0.1)
+    outer.result()
+    assert memory.peak_of(pid) > size
+    assert memory.peak >= memory.peak_of(pid) > memory.peak_of(os.getpid())
 
 
 def test_split_work_gives_the_heaviest_item_to_whichever_side_has_less_so_far():

@@ -10,6 +10,7 @@ say) is reported as such (ProcessDied), with how it died.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pickle
 import signal
@@ -23,10 +24,15 @@ from composite.errors import UserError
 
 
 class ProcessDied(Exception):
-    """A forked call's process ended without a result."""
+    """A forked call's process ended without a result. how: how it died, as a clause ("killed by
+    signal 9 ..."); a call's process whose own fork died passes that on as its error."""
 
-    def __init__(self, pid: int, status: int):
-        self.pid, self.status = pid, status
+    def __init__(self, how: str):
+        self.how = how
+        super().__init__(how)
+
+    @classmethod
+    def from_status(cls, status: int) -> ProcessDied:
         if os.WIFSIGNALED(status):
             number = os.WTERMSIG(status)
             how = f"killed by signal {number} ({signal.Signals(number).name})"
@@ -34,14 +40,15 @@ class ProcessDied(Exception):
                 how += ", most likely by the out-of-memory killer"
         else:
             how = f"exited with status {os.WEXITSTATUS(status)} before sending its result"
-        self.how = how
-        super().__init__(f"process {pid} {how}")
+        return cls(how)
 
 
 def as_message(e: BaseException) -> tuple[str, object]:
     """An error in a child process as (kind, value), picklable whatever the error held."""
     if isinstance(e, UserError):
         return "user_error", str(e)
+    if isinstance(e, ProcessDied):
+        return "process_died", e.how
     if isinstance(e, OSError) and e.errno is not None:  # a full disk or a missing file: the caller's one line
         return "os_error", (e.errno, e.strerror, e.filename)
     return "error", "".join(traceback.format_exception(e))
@@ -51,6 +58,8 @@ def raise_message(kind: str, value) -> None:
     """The error as_message described, raised in the caller as if it were its own."""
     if kind == "user_error":
         raise UserError(value)
+    if kind == "process_died":
+        raise ProcessDied(value)
     if kind == "os_error":
         raise OSError(*value)
     raise RuntimeError(value)
@@ -69,9 +78,11 @@ class ForkedCall:
 
     def __init__(self, fn: Callable, args: tuple = ()):
         read, write = os.pipe()
+        parent = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:  # the child: do the work, report, and leave without running any cleanup
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the export's handler would remove its folder
+            end_with_parent(parent)
             os.close(read)
             try:
                 torch.set_num_threads(1)
@@ -102,9 +113,9 @@ class ForkedCall:
         self.pipe.close()
         _, exit_status = os.waitpid(self.pid, 0)
         ForkedCall.running.discard(self.pid)
-        pid, self.pid = self.pid, None
+        self.pid = None
         if status == "died":
-            raise ProcessDied(pid, exit_status)
+            raise ProcessDied.from_status(exit_status)
         if status != "ok":
             raise_message(status, value)
         return value
@@ -121,6 +132,18 @@ class ForkedCall:
         ForkedCall.running.discard(self.pid)
         self.pid = None
         self.pipe.close()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent(parent: int) -> None:
+    """This process gets SIGKILL when `parent`, the one that forked it, ends: a job killed by a
+    stopped export (kill_all) takes the fork it is waiting on with it. No-op where libc has no prctl."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the request took hold
+        os._exit(1)
 
 
 def split_work(weights: dict[int, float], my_load: float = 0.0) -> tuple[list[int], list[int]]:
