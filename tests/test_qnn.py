@@ -432,3 +432,47 @@ def test_the_tuners_head_on_many_rows_is_the_decode_graph_row_by_row(qnn_ready, 
     assert sqnr_db(row_by_row, together) > 60
     # a range observed on other rows than the decode graph's would move whole rows' logits
     assert torch.equal(together.argmax(-1), row_by_row.argmax(-1))
+
+
+def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_its_twin_in_a_fork(
+    qnn_ready, monkeypatch
+):
+    """The float weights are gone before the shard is compiled (convert_pt2e leaves them on its
+    graphs, and torch's and torchao's device lookups cache every graph they see), and the unshared
+    twin is compiled and measured in a process of its own: what lower() returns is the fork's."""
+    import gc
+    import weakref
+
+    from composite.config import DEFAULT_OPTIONS
+    from composite.lowering.qnn import QnnShardLowering
+    from composite.manifest import DECODE, PREFILL
+    from composite.model.default import load_default
+    from composite.split.plan import plan_shards
+    from composite.split.shard import ShardModule, shard_io
+
+    model = load_default().model.eval()
+    spec = plan_shards(model.args, 3, None)[1]
+    module = ShardModule(model, spec).eval()
+    float_weights = [weakref.ref(p) for p in module.parameters()]
+    io = {DECODE: shard_io(model.args, spec, 1, 32), PREFILL: shard_io(model.args, spec, 4, 32)}
+    names = {m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in io.items()}
+    examples = {m: tuple(t.example() for t in inputs) for m, (inputs, _) in io.items()}
+    options = {**DEFAULT_OPTIONS["qnn"], "precision": "16a4w", "weight_sharing": True}
+    job = QnnShardLowering(module, examples, names, options, 36)
+    for method, example in examples.items():
+        job.observe(method, perturbed(example, 0))
+    del model, module
+
+    alive_at_compile = []
+    compile_shard = QnnShardLowering._partitioned
+
+    def partitioned(self, edge, spec):
+        gc.collect()
+        alive_at_compile.append(sum(ref() is not None for ref in float_weights))
+        return compile_shard(self, edge, spec)
+
+    monkeypatch.setattr(QnnShardLowering, "_partitioned", partitioned)
+    shard, _, context_bytes, (measured_in, measured_bytes) = job.lower(lambda buffer: (os.getpid(), len(buffer)))
+    assert alive_at_compile == [0]  # this process's one compile (the twin's is the fork's)
+    assert measured_in != os.getpid()
+    assert measured_bytes > len(shard.buffer) > context_bytes > 0  # the twin holds the weights once per method

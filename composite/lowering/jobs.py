@@ -37,16 +37,16 @@ def part_bytes(args, spec) -> int:
 def expected_bytes(work: ShardWork, lowering: bool) -> int:
     """A task's expected peak: its float weights, and for a lowering the copies lowering makes.
     Measured (the job's summed PSS above the process, per float32 byte of its weights): an XNNPACK
-    8da4w shard of 6 layers of the Llama-3.2-1B shape, 1.4x. A quantized QNN shard holds far more
-    than its weights (calibration's observed graphs, then per method the converted, decomposed and
-    edge graphs, and the HTP compiles' own copies, which stay until the job ends: two compiles when
-    the shard is weight-shared): 16a4w, weight-shared, context 1024, 2026-12-05, 3B-shaped shards
-    of 1 and 2 layers 2.14 and 4.03 GB (1.9 GB, 4.7x, a layer)."""
+    8da4w shard of 6 layers of the Llama-3.2-1B shape, 1.4x. A quantized QNN shard holds more than
+    its weights: calibration's observed graphs (the float weights), then, once they are gone, the
+    methods' edge programs and the HTP compile's copies, and the fork that compiles and measures
+    a weight-shared shard's twin beside it: 16a4w, weight-shared, context 1024, 2026-12-05,
+    3B-shaped shards of 1 and 7 layers 1.63 and 9.44 GB (1.3 GB, 3.2x, a layer)."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2
     elif work.placement.quantized_qnn:
-        factor = 4.7
+        factor = 3.2
     else:
         factor = 2.0
     return PROCESS_BYTES + int(weights * factor)

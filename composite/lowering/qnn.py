@@ -24,6 +24,7 @@ import torch
 
 from composite import qnn_host
 from composite.errors import UserError
+from composite.executor.fork import ForkedCall
 from composite.lowering import native_io
 from composite.lowering.calibration import ShardReplay, sqnr_db
 from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
@@ -216,12 +217,14 @@ class QnnShardLowering:
         self.calibrated[method] += 1
         return outputs
 
-    def lower(self) -> tuple[LoweredShard, int, int, bytes | None]:
+    def lower(self, measure: Callable[[bytes], tuple]) -> tuple[LoweredShard, int, int, tuple]:
         """-> (the lowered shard, whose contexts carry the spill-fill size they need, that size,
-        the bytes of its context binaries, the host twin's .pte bytes or None). XNNPACK takes what
-        QNN is told to skip. A weight-shared shard cannot run on the x86 simulator, so its twin
-        without weight sharing (same graphs, same quantization) is compiled too, to measure it
-        here. The prepared graphs, and the float weights they hold, are let go as each is
+        the bytes of its context binaries, measure(.pte bytes) of what runs on this host). XNNPACK
+        takes what QNN is told to skip. A weight-shared shard cannot run on the x86 simulator:
+        its twin without weight sharing (same graphs, same quantization) is compiled and measured
+        instead, in a forked process before the shard's own compile, so that neither compile's
+        leftovers (memory the process keeps after it, ~0.2 GB a 3B-shaped layer) lie under the
+        other's peak. The prepared graphs, and the float weights they hold, are let go as each is
         converted: compiling is where a QNN shard needs the most memory."""
         graphs, self.graphs = self.graphs, None
         if self.quantized:
@@ -233,7 +236,8 @@ class QnnShardLowering:
                     f"no calibration inputs reached the {', '.join(missing)} method of a "
                     f"{self.options['precision']} QNN shard"
                 )
-            graphs = {method: convert_pt2e(graphs.pop(method)) for method in list(graphs)}
+            graphs = {method: without_unused_tensors(convert_pt2e(graphs.pop(method))) for method in list(graphs)}
+            forget_cached_modules()
             share_equal_constants(graphs)
             if self.native_io:
                 self.io_encodings = {m: native_io.read_params(g, *self.names[m]) for m, g in graphs.items()}
@@ -244,13 +248,14 @@ class QnnShardLowering:
             notes.append(
                 f"left to XNNPACK: ops {sorted(self.skip_ops) or '-'}, node ids {sorted(self.skip_ids) or '-'}"
             )
-        if self.options["weight_sharing"]:
-            notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
         # Decomposing and QNN's edge passes are most of a shard's lowering time (sharing them took
         # a 1B-shaped layer's job from 494 s to 303 s): they do not depend on weight sharing.
         edge = self._edge(graphs)
         del graphs
-        twin_edge = copy_sharing_tensors(edge) if self.options["weight_sharing"] else None
+        measured = None
+        if self.options["weight_sharing"]:
+            notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
+            measured = ForkedCall(self._measured_twin, (edge, measure)).result()
         partitioned = self._partitioned(edge, compile_spec(self.options))
         del edge
         content_signatures(partitioned)
@@ -262,13 +267,13 @@ class QnnShardLowering:
         )
         shard = finish(partitioned, notes, self.planning())
         del partitioned
-        twin = None
-        if twin_edge is not None:
-            unshared = self._partitioned(twin_edge, compile_spec({**self.options, "weight_sharing": False}))
-            del twin_edge
-            content_signatures(unshared)
-            twin = finish(unshared, [], self.planning()).buffer
-        return shard, own, context_bytes, twin
+        return shard, own, context_bytes, measured or measure(shard.buffer)
+
+    def _measured_twin(self, edge, measure: Callable[[bytes], tuple]) -> tuple:
+        """measure() of the shard compiled without weight sharing (run in a forked process: it
+        partitions `edge` in place)."""
+        unshared = self._partitioned(edge, compile_spec({**self.options, "weight_sharing": False}))
+        return measure(finish(unshared, [], self.planning()).buffer)
 
     def _positions(self, method: str) -> tuple[dict, dict]:
         """(input position -> dtype, output position -> dtype) of the method's quantized I/O (a
@@ -356,16 +361,28 @@ class QnnShardLowering:
         return edge
 
 
-def copy_sharing_tensors(edge):
-    """A copy of an edge program manager that can be partitioned on its own (partitioning takes the
-    tensors it delegates out of its program's tables) without a second copy of the weights."""
-    tensors = {}
-    for method in edge.methods:
-        program = edge.exported_program(method)
-        for value in [*program.state_dict.values(), *program.constants.values()]:
-            if isinstance(value, torch.Tensor):
-                tensors[id(value)] = value
-    return copy.deepcopy(edge, memo=tensors)
+def without_unused_tensors(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`graph` without the parameters and buffers its nodes no longer read. convert_pt2e folds each
+    weight's quantization into a new constant and leaves the float weight on the module: a float32
+    copy of the shard that would stay through compiling (a 3B-shaped layer: 0.4 GB)."""
+    read = {node.target for node in graph.graph.nodes if node.op == "get_attr"}
+    tensors = [*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False)]
+    for name, _ in tensors:
+        if name not in read:
+            owner, _, attribute = name.rpartition(".")
+            delattr(graph.get_submodule(owner), attribute)
+    graph.delete_all_unused_submodules()
+    return graph
+
+
+def forget_cached_modules() -> None:
+    """torch's and torchao's device lookups of prepare and convert are functools.cache'd on the
+    module: every graph they saw, and its float weights, stays alive until the process ends."""
+    from torch.ao.quantization.fx.utils import assert_and_get_unique_device
+    from torchao.utils import _assert_and_get_unique_device
+
+    assert_and_get_unique_device.cache_clear()
+    _assert_and_get_unique_device.cache_clear()
 
 
 def share_equal_constants(graphs: dict) -> None:
@@ -415,6 +432,7 @@ def content_signatures(edge) -> None:
     (decode and prefill in one context). A hash of the rest of the payload identifies the context
     as well, and makes a shard's bytes the same wherever and whenever it is lowered (a local
     export, a cluster's, the cache's)."""
+    signed: dict[bytes, bytes] = {}  # the methods of a context get one copy of it, not one each
     for module in qnn_backend_modules(edge):
         payload = module.processed_bytes
         magic, _ = struct.unpack_from("<Iq", payload)
@@ -422,9 +440,13 @@ def content_signatures(edge) -> None:
             raise RuntimeError(
                 "a QNN delegate payload without ExecuTorch's context header: unknown ExecuTorch version?"
             )
-        digest = hashlib.sha256(payload[:4] + payload[12:]).digest()
-        signature = int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
-        module._processed_bytes = payload[:4] + struct.pack("<q", signature) + payload[12:]
+        hasher = hashlib.sha256(payload[:4])
+        hasher.update(memoryview(payload)[12:])
+        digest = hasher.digest()
+        if digest not in signed:
+            signature = int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+            signed[digest] = payload[:4] + struct.pack("<q", signature) + payload[12:]
+        module._processed_bytes = signed[digest]
 
 
 def own_spill_fill(edge) -> int:
@@ -555,11 +577,13 @@ def lower_qnn_shard(
         del shard
     del module
     started = time.perf_counter()
-    lowered, own, context_bytes, twin = job.lower()
-    stages["lower"] = time.perf_counter() - started
-    started = time.perf_counter()
-    sqnr, worst = measure(twin or lowered.buffer, held_out, expected, names, job.io_encodings)
-    stages["measure"] = time.perf_counter() - started
+
+    def timed_measure(buffer: bytes) -> tuple:
+        measuring = time.perf_counter()
+        return measure(buffer, held_out, expected, names, job.io_encodings), time.perf_counter() - measuring
+
+    lowered, own, context_bytes, ((sqnr, worst), stages["measure"]) = job.lower(timed_measure)
+    stages["lower"] = time.perf_counter() - started - stages["measure"]
     return QnnLowered(lowered, own, context_bytes, sqnr, worst, job.io_encodings, stages)
 
 
