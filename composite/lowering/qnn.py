@@ -267,12 +267,13 @@ class QnnShardLowering:
         )
         shard = finish(partitioned, notes, self.planning())
         del partitioned
-        return shard, own, context_bytes, measured or measure(shard.buffer)
+        return shard, own, context_bytes, measure(shard.buffer) if measured is None else measured
 
     def _measured_twin(self, edge, measure: Callable[[bytes], tuple]) -> tuple:
         """measure() of the shard compiled without weight sharing (run in a forked process: it
         partitions `edge` in place)."""
         unshared = self._partitioned(edge, compile_spec({**self.options, "weight_sharing": False}))
+        content_signatures(unshared)  # its methods' two contexts told apart by content, not by the clock
         return measure(finish(unshared, [], self.planning()).buffer)
 
     def _positions(self, method: str) -> tuple[dict, dict]:
