@@ -7,14 +7,19 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from composite.config import build_config
+from composite.memory import descendants
 from composite.tune.search import Option, best_within, frontier
-from conftest import assert_clean_failure, run_cli
+from conftest import REPO, assert_clean_failure, run_cli
 
 # Real text from a Debian package: base-files ships the GNU GPL's text.
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -156,6 +161,25 @@ def test_verify_exports_the_recipe_and_measures_what_was_predicted(tmp_path):
     assert verified["kld"] == pytest.approx(verified["kld_whole_same_tokens"], rel=0.05, abs=1e-6)
     # Stored bytes: the formula's, plus each .pte's program (a few KB per shard).
     assert chosen["mb"] * 1e6 <= verified["pte_bytes"] <= chosen["mb"] * 1e6 * 1.05 + 3 * 50_000
+
+
+def test_a_stopped_tuner_says_so_in_one_line_and_writes_no_config(tmp_path):
+    output = tmp_path / "tuned.yaml"
+    args = ["--text", str(TEXT), "--budget-mb", "2", "--output", str(output), "--no-cache", *SMALL]
+    tuner = subprocess.Popen(
+        [sys.executable, "-m", "composite.tune", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 120
+    while not [p for p in descendants(tuner.pid) if p != tuner.pid]:  # measuring, in its worker
+        assert tuner.poll() is None and time.monotonic() < deadline, "the tuner never started measuring"
+        time.sleep(0.05)
+    tuner.send_signal(signal.SIGTERM)
+    _, stderr = tuner.communicate(timeout=120)
+    stderr = stderr.decode()
+    assert tuner.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert line == "error: the tuner was stopped (SIGTERM); no config was written", line  # --no-cache
+    assert not output.exists()
 
 
 def test_bad_input_gets_one_line(tmp_path):

@@ -182,10 +182,12 @@ def report(result: dict, budget_mb: float) -> None:
     print(f"wrote {result['config']} and {result['plot']}")
 
 
-def terminated(signum, _frame):
-    """A terminated tuner ends its measuring worker too (an exception raised here could land where
-    Python ignores it)."""
+def terminated(signum: int, cached: bool) -> None:
+    """A terminated tuner ends its measuring worker too, says so in one line, and leaves at once
+    (an exception raised here could land where Python ignores it)."""
     ForkedCall.kill_all()
+    kept = "; what it measured so far is in its cache: the same command goes on from there" if cached else ""
+    quiet.say_at_once(f"error: the tuner was stopped ({signal.Signals(signum).name}); no config was written{kept}")
     os._exit(128 + signum)
 
 
@@ -193,7 +195,7 @@ def terminated(signum, _frame):
 def main(argv=None) -> None:
     args = parse_args(argv)
     check_args(args)
-    signal.signal(signal.SIGTERM, terminated)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: terminated(signum, cached=not args.no_cache))
     if any(c.backend == "qnn" and c.precision != "fp16" for c in parse_candidates(args.candidates)):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     executor = from_ray_flag(args.ray)
