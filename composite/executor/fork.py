@@ -139,7 +139,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def end_with_parent(parent: int) -> None:
     """This process gets SIGKILL when `parent`, the one that forked it, ends: a job killed by a
-    stopped export (kill_all) takes the fork it is waiting on with it. No-op where libc has no prctl."""
+    stopped export (kill_all) takes the fork it is waiting on with it. Linux ties this to the thread
+    that forked, which here is always a process's main thread. No-op where libc has no prctl."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it ended before the request took hold
