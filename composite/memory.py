@@ -118,11 +118,11 @@ class PeakMemory:
         def below(pid: int) -> int:  # a process and the processes it started (a job's own forks)
             return own.get(pid, 0) + sum(below(child) for child in tree[pid])
 
-        total = below(self.root)
+        started = {pid: below(pid) for pid in tree[self.root]}
+        total = own.get(self.root, 0) + sum(started.values())
         with self._lock:
-            self.per_process[self.root] = max(self.per_process.get(self.root, 0), own.get(self.root, 0))
-            for pid in tree[self.root]:
-                self.per_process[pid] = max(self.per_process.get(pid, 0), below(pid))
+            for pid, pss in [(self.root, own.get(self.root, 0)), *started.items()]:
+                self.per_process[pid] = max(self.per_process.get(pid, 0), pss)
             self.peak = max(self.peak or 0, total)
         return total
 
