@@ -434,14 +434,17 @@ def test_the_tuners_head_on_many_rows_is_the_decode_graph_row_by_row(qnn_ready, 
     assert torch.equal(together.argmax(-1), row_by_row.argmax(-1))
 
 
-def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_its_twin_in_a_fork(
+def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_its_twin_a_method_a_fork(
     qnn_ready, monkeypatch
 ):
     """The float weights are gone before the shard is compiled (convert_pt2e leaves them on its
     graphs, and torch's and torchao's device lookups cache every graph they see), and the unshared
-    twin is compiled and measured in a process of its own: what lower() returns is the fork's."""
+    twin is compiled and measured one method at a time, each in a process of its own: what lower()
+    returns is the forks'."""
     import gc
     import weakref
+
+    from executorch.runtime import Runtime
 
     from composite.config import DEFAULT_OPTIONS
     from composite.lowering.qnn import QnnShardLowering
@@ -466,13 +469,37 @@ def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_i
     alive_at_compile = []
     compile_shard = QnnShardLowering._partitioned
 
-    def partitioned(self, edge, spec):
+    def partitioned(self, edge, spec, methods=None):
         gc.collect()
         alive_at_compile.append(sum(ref() is not None for ref in float_weights))
-        return compile_shard(self, edge, spec)
+        return compile_shard(self, edge, spec, methods)
 
     monkeypatch.setattr(QnnShardLowering, "_partitioned", partitioned)
-    shard, _, context_bytes, (measured_in, measured_bytes) = job.lower(lambda buffer: (os.getpid(), len(buffer)))
-    assert alive_at_compile == [0]  # this process's one compile (the twin's is the fork's)
-    assert measured_in != os.getpid()
-    assert measured_bytes > len(shard.buffer) > context_bytes > 0  # the twin holds the weights once per method
+
+    def measure(buffer: bytes) -> tuple:
+        return os.getpid(), len(buffer), sorted(Runtime.get().load_program(buffer).method_names)
+
+    shard, _, context_bytes, measured = job.lower(measure)
+    assert alive_at_compile == [0]  # this process's one compile (the twin's are the forks')
+    pids, sizes, methods = zip(*measured)
+    assert methods == ([DECODE], [PREFILL])
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert sum(sizes) > len(shard.buffer) > context_bytes > 0  # the twin holds the weights once per method
+
+
+def test_qnn_preprocess_takes_a_partition_without_a_copy_of_its_weights(qnn_ready):
+    """ExecuTorch deep-copies a partition's program for the backend's preprocess; inside
+    preprocess_sharing_constants the copy has a graph of its own and the same weight tensors, and
+    outside it ExecuTorch's own copy is back."""
+    from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
+
+    from composite.lowering.qnn import preprocess_sharing_constants
+
+    program = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(1, 64),))
+    with preprocess_sharing_constants():
+        copied = QnnBackend.copy_exported_program_for_preprocess(program, [])
+    assert copied.graph_module is not program.graph_module
+    assert copied.state_dict["weight"] is program.state_dict["weight"]
+    assert "copy_exported_program_for_preprocess" not in vars(QnnBackend)
+    copied = QnnBackend.copy_exported_program_for_preprocess(program, [])
+    assert copied.state_dict["weight"].data_ptr() != program.state_dict["weight"].data_ptr()

@@ -128,6 +128,33 @@ def linear_time_observers():
         fx_prepare.get_new_attr_name_with_prefix, pt2e_prepare._get_observer_kwargs = saved
 
 
+@contextlib.contextmanager
+def preprocess_sharing_constants():
+    """QNN's preprocess given each partition's program without a copy of its constants.
+
+    ExecuTorch deep-copies every partition's program before a backend's preprocess
+    (BackendDetails.copy_exported_program_for_preprocess, in case the backend changes it), and
+    QNN's preprocess holds the copies of all methods while it compiles them into one context: a
+    copy of the shard's quantized weights per method, beside the copy QNN's tensor wrappers make
+    (a 3B-shaped layer: 0.1 GB each). QNN's preprocess passes rewrite the graph, not the tensors'
+    data: the copy takes the graph and shares the tensors. Same context binaries."""
+    from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
+
+    if "copy_exported_program_for_preprocess" in vars(QnnBackend):  # a QNN with a copy of its own: left to it
+        yield
+        return
+
+    def copy_sharing_constants(cls, program, compile_specs):
+        tensors = [*program.state_dict.values(), *program.constants.values()]
+        return copy.deepcopy(program, memo={id(t): t for t in tensors if isinstance(t, torch.Tensor)})
+
+    QnnBackend.copy_exported_program_for_preprocess = classmethod(copy_sharing_constants)
+    try:
+        yield
+    finally:
+        del QnnBackend.copy_exported_program_for_preprocess
+
+
 def traced_htp(module, example_inputs: dict, options: dict, n_positions: int) -> dict:
     """method -> the shard's HTP form traced by torch.export: where a quantized precision starts.
     Several precisions of one shard can start from one trace (QnnShardLowering's `traced`)."""
@@ -217,14 +244,16 @@ class QnnShardLowering:
         self.calibrated[method] += 1
         return outputs
 
-    def lower(self, measure: Callable[[bytes], tuple]) -> tuple[LoweredShard, int, int, tuple]:
+    def lower(self, measure: Callable[[bytes], tuple]) -> tuple[LoweredShard, int, int, list]:
         """-> (the lowered shard, whose contexts carry the spill-fill size they need, that size,
-        the bytes of its context binaries, measure(.pte bytes) of what runs on this host). XNNPACK
-        takes what QNN is told to skip. A weight-shared shard cannot run on the x86 simulator:
-        its twin without weight sharing (same graphs, same quantization) is compiled and measured
-        instead, in a forked process before the shard's own compile, so that neither compile's
-        leftovers (memory the process keeps after it, ~0.2 GB a 3B-shaped layer) lie under the
-        other's peak. The prepared graphs, and the float weights they hold, are let go as each is
+        the bytes of its context binaries, [measure(.pte bytes)] of what runs on this host: one
+        item a program, each measuring the methods it has). XNNPACK takes what QNN is told to
+        skip. A weight-shared shard cannot run on the x86 simulator: its twin without weight
+        sharing (same graphs, same quantization) is compiled and measured instead, one method at
+        a time, each in a forked process before the shard's own compile, so that neither
+        compile's leftovers (memory the process keeps after it, ~0.2 GB a 3B-shaped layer) lie
+        under the other's peak, and a twin method's compile (half the shard's) stays below the
+        shard's. The prepared graphs, and the float weights they hold, are let go as each is
         converted: compiling is where a QNN shard needs the most memory."""
         graphs, self.graphs = self.graphs, None
         if self.quantized:
@@ -252,10 +281,10 @@ class QnnShardLowering:
         # a 1B-shaped layer's job from 494 s to 303 s): they do not depend on weight sharing.
         edge = self._edge(graphs)
         del graphs
-        measured = None
+        measured = []
         if self.options["weight_sharing"]:
             notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
-            measured = ForkedCall(self._measured_twin, (edge, measure)).result()
+            measured = [ForkedCall(self._measured_twin, (edge, method, measure)).result() for method in self.names]
         partitioned = self._partitioned(edge, compile_spec(self.options))
         del edge
         content_signatures(partitioned)
@@ -267,13 +296,16 @@ class QnnShardLowering:
         )
         shard = finish(partitioned, notes, self.planning())
         del partitioned
-        return shard, own, context_bytes, measure(shard.buffer) if measured is None else measured
+        return shard, own, context_bytes, measured or [measure(shard.buffer)]
 
-    def _measured_twin(self, edge, measure: Callable[[bytes], tuple]) -> tuple:
-        """measure() of the shard compiled without weight sharing (run in a forked process: it
-        partitions `edge` in place)."""
-        unshared = self._partitioned(edge, compile_spec({**self.options, "weight_sharing": False}))
-        content_signatures(unshared)  # its methods' two contexts told apart by content, not by the clock
+    def _measured_twin(self, edge, method: str, measure: Callable[[bytes], tuple]) -> tuple:
+        """measure() of `method` of the shard compiled without weight sharing (run in a forked
+        process: it partitions `edge` in place)."""
+        from executorch.exir import EdgeProgramManager
+
+        alone = EdgeProgramManager({method: edge.exported_program(method)}, None, edge.compile_config)
+        unshared = self._partitioned(alone, compile_spec({**self.options, "weight_sharing": False}), [method])
+        content_signatures(unshared)  # its contexts (one a QNN partition) told apart by content, not by the clock
         return measure(finish(unshared, [], self.planning()).buffer)
 
     def _positions(self, method: str) -> tuple[dict, dict]:
@@ -346,17 +378,18 @@ class QnnShardLowering:
             partitioners.append(XnnpackPartitioner())
         return partitioners
 
-    def _partitioned(self, edge, spec):
+    def _partitioned(self, edge, spec, methods: list[str] | None = None):
         """`edge` with QNN's part compiled for `spec` (and what QNN skips given to XNNPACK). One
         context holds every method's graph (ExecuTorch's multi-method preprocess); with weight
-        sharing in the spec, they hold one copy of the weights between them."""
+        sharing in the spec, they hold one copy of the weights between them. methods: the
+        manifest's (edge.methods is a set), unless `edge` holds fewer."""
         from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
 
-        methods = list(self.example_inputs)  # in the manifest's order (edge.methods is a set)
+        methods = methods or list(self.example_inputs)
         # a partitioner instance per method, as to_edge_transform_and_lower has them: QNN's
         # collects the partition tags of every program it is given
         partitioners = {method: self._partitioners(spec) for method in methods}
-        with QnnManagerContext({method: spec for method in methods}):
+        with QnnManagerContext({method: spec for method in methods}), preprocess_sharing_constants():
             for step in range(len(partitioners[methods[0]])):
                 edge = edge.to_backend({method: partitioners[method][step] for method in methods})
         return edge
@@ -583,7 +616,12 @@ def lower_qnn_shard(
         measuring = time.perf_counter()
         return measure(buffer, held_out, expected, names, job.io_encodings), time.perf_counter() - measuring
 
-    lowered, own, context_bytes, ((sqnr, worst), stages["measure"]) = job.lower(timed_measure)
+    lowered, own, context_bytes, measured = job.lower(timed_measure)
+    sqnr, worst, stages["measure"] = {}, {}, 0.0
+    for (program_sqnr, program_worst), seconds in measured:
+        sqnr.update(program_sqnr)
+        worst.update(program_worst)
+        stages["measure"] += seconds
     stages["lower"] = time.perf_counter() - started - stages["measure"]
     return QnnLowered(lowered, own, context_bytes, sqnr, worst, job.io_encodings, stages)
 
@@ -625,7 +663,7 @@ def measure(
 
     program = Runtime.get().load_program(buffer)
     result, worst = {}, {}
-    for method in names:  # decode, then prefill, as the manifest lists methods
+    for method in [m for m in names if m in program.method_names]:  # as the manifest lists them
         inputs = held_out[method]
         encodings = io_encodings.get(method) or {}
         input_names, output_names = names[method]
