@@ -39,14 +39,13 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     Measured (the job's summed PSS above the process, per float32 byte of its weights): an XNNPACK
     8da4w shard of 6 layers of the Llama-3.2-1B shape, 1.4x. A quantized QNN shard holds more than
     its weights: calibration's observed graphs (the float weights), then, once they are gone, the
-    methods' edge programs and the HTP compile's copies, and the fork that compiles and measures
-    a weight-shared shard's twin beside it: 16a4w, weight-shared, context 1024, 2026-12-05,
-    3B-shaped shards of 1 and 7 layers 1.63 and 9.44 GB (1.3 GB, 3.2x, a layer)."""
+    methods' edge programs and the HTP compile's copies (its peak), 16a4w, weight-shared, context
+    1024, 2026-12-05: a 3B-shaped shard of 2 layers 2.65 GB (2.5x above the process)."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2
     elif work.placement.quantized_qnn:
-        factor = 3.2
+        factor = 2.6
     else:
         factor = 2.0
     return PROCESS_BYTES + int(weights * factor)
