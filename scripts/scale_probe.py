@@ -9,8 +9,8 @@ For each shape it writes the checkpoint once (composite/bench/shapes.py: a Huggi
 bf16, 2.5 / 6.4 GB) under --work, then:
 - exports it with the recipe of the scale issue (the 1B: 4 x XNNPACK 8da4w + embedding 4,32; the
   3B: 6 x XNNPACK 8da4w + embedding 4,32, and configs/llama3_2_3b_hybrid.yaml as it is, within
-  --max-memory 8), timing
-  the export and sampling the summed PSS of its processes itself (composite/memory.py);
+  --max-memory 8), timing the export and sampling the summed PSS of its processes itself
+  (composite/memory.py);
 - runs composite_runner on the XNNPACK exports: a 55-token prompt and 32 new tokens, greedy;
 - converts the checkpoint with llama.cpp's convert_hf_to_gguf.py and llama-quantize Q4_0 (its
   default mix: the tied table as Q6_K) and runs llama-bench on the same prompt and token counts,

@@ -40,7 +40,8 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     8da4w shard of 6 layers of the Llama-3.2-1B shape, 1.4x. A quantized QNN shard holds more than
     its weights: calibration's observed graphs (the float weights), then, once they are gone, the
     methods' edge programs and the HTP compile's copies (its peak), 16a4w, weight-shared, context
-    1024, 2026-12-05: a 3B-shaped shard of 2 layers 2.65 GB (2.5x above the process)."""
+    1024, 2026-12-05: a 3B-shaped shard of 2 layers 2.65 GB (2.54x above the process); the 3B
+    hybrid's 7-layer shards 7.96-8.07 GB, where 2.6x expects 7.9."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2
