@@ -116,6 +116,19 @@ def test_a_jobs_peak_memory_counts_the_forks_it_makes():
     assert memory.peak >= memory.peak_of(pid) > memory.peak_of(os.getpid())
 
 
+def test_peak_memory_reads_a_brief_rise_at_once():
+    """PSS is read seldom where reading it costs (here: not again for minutes), but a rise of the
+    tree's resident bytes is read at once: a job that holds 400 MB for a second is seen."""
+    size = 400 << 20
+    with PeakMemory(interval=0.05, wait_per_read_cost=10_000) as memory:
+        time.sleep(0.5)  # past its first reading: the next is not due for minutes
+        job = ForkedCall(hold, (size,))
+        pid = job.pid
+        job.result()
+        seen = memory.peak_of(pid)
+    assert seen is not None and seen > size
+
+
 def test_split_work_gives_the_heaviest_item_to_whichever_side_has_less_so_far():
     # 5 -> theirs (0 <= 1), 4 -> mine (1 + 4), 3 -> theirs (5 <= 5), 2 -> mine (8 > 5), 2 -> mine (8 > 7)
     assert split_work({0: 5.0, 1: 4.0, 2: 3.0, 3: 2.0, 4: 2.0}, my_load=1.0) == ([1, 3, 4], [0, 2])
