@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -469,10 +470,10 @@ def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_i
     alive_at_compile = []
     compile_shard = QnnShardLowering._partitioned
 
-    def partitioned(self, edge, spec, methods=None):
+    def partitioned(self, edge, spec, methods=None, weights_to=None):
         gc.collect()
         alive_at_compile.append(sum(ref() is not None for ref in float_weights))
-        return compile_shard(self, edge, spec, methods)
+        return compile_shard(self, edge, spec, methods, weights_to)
 
     monkeypatch.setattr(QnnShardLowering, "_partitioned", partitioned)
 
@@ -489,17 +490,80 @@ def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_i
 
 def test_qnn_preprocess_takes_a_partition_without_a_copy_of_its_weights(qnn_ready):
     """ExecuTorch deep-copies a partition's program for the backend's preprocess; inside
-    preprocess_sharing_constants the copy has a graph of its own and the same weight tensors, and
-    outside it ExecuTorch's own copy is back."""
+    lean_preprocess the copy has a graph of its own and the same weight tensors, and outside it
+    ExecuTorch's own copy is back."""
     from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
 
-    from composite.lowering.qnn import preprocess_sharing_constants
+    from composite.lowering.qnn import lean_preprocess
 
     program = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(1, 64),))
-    with preprocess_sharing_constants():
+    with lean_preprocess():
         copied = QnnBackend.copy_exported_program_for_preprocess(program, [])
     assert copied.graph_module is not program.graph_module
     assert copied.state_dict["weight"] is program.state_dict["weight"]
     assert "copy_exported_program_for_preprocess" not in vars(QnnBackend)
     copied = QnnBackend.copy_exported_program_for_preprocess(program, [])
     assert copied.state_dict["weight"].data_ptr() != program.state_dict["weight"].data_ptr()
+
+
+def mapped_files(tensor: torch.Tensor) -> list[str]:
+    """The files this process maps where the tensor's data is (/proc/self/maps)."""
+    address, files = tensor.data_ptr(), []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end and len(fields) == 6 and fields[5].startswith("/"):
+            files.append(fields[5])
+    return files
+
+
+def test_qnn_compiles_with_the_weights_on_disk(qnn_ready, tmp_path):
+    """When QNN compiles, its wrappers hold their own copies of the weights: the tensors of the
+    program it was given are by then read from a file in the folder given (unlinked), with the
+    same values. The same context binary as without (each compiled in a fork: a process numbers
+    its compiles inside the binary)."""
+    import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as qnn_manager
+    from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
+    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+
+    from composite.config import DEFAULT_OPTIONS
+    from composite.executor.fork import ForkedCall
+    from composite.lowering.qnn import compile_spec, lean_preprocess, qnn_backend_modules
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128).eval()  # its weight 128 KB, its bias 512 bytes
+    example = (torch.randn(1, 256),)
+    values = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    spec = compile_spec({**DEFAULT_OPTIONS["qnn"], "precision": "fp16", "weight_sharing": False})
+
+    def lowered(weights_to):  # run in a fork: the patches below end with it
+        given, at_compile = [], []
+        build = QnnBackend._build_op_wrappers
+
+        def building(program, *args):
+            weights = {name.removeprefix("_"): t for name, t in program.state_dict.items()}  # what QNN is given
+            given.append(weights)
+            return build(program, *args)
+
+        compile_ = qnn_manager.QnnManager.Compile
+
+        def spy(manager, *args):
+            at_compile.append({name: (mapped_files(t), torch.equal(t, values[name])) for name, t in given[-1].items()})
+            return compile_(manager, *args)
+
+        QnnBackend._build_op_wrappers = staticmethod(building)
+        qnn_manager.QnnManager.Compile = spy
+        with lean_preprocess(weights_to):
+            edge = to_edge_transform_and_lower_to_qnn(model, example, spec)
+        return qnn_backend_modules(edge)[0].processed_bytes[12:], at_compile
+
+    binary, (tensors,) = ForkedCall(lowered, (str(tmp_path),)).result()
+    files = {name: files for name, (files, _) in tensors.items()}
+    assert len(files["weight"]) == 1  # the bias is below 64 KB and stays where it is
+    assert files["weight"][0].startswith(f"{tmp_path}/composite-qnn-weights-")
+    assert files["weight"][0].endswith(" (deleted)") and not list(tmp_path.iterdir())
+    assert files["bias"] == []
+    assert all(equal for _, equal in tensors.values())
+    unchanged, (tensors,) = ForkedCall(lowered, (None,)).result()
+    assert all(files == [] for files, _ in tensors.values())
+    assert binary == unchanged

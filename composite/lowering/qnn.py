@@ -16,6 +16,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import importlib
+import os
 import struct
 import time
 from collections.abc import Callable
@@ -129,30 +130,87 @@ def linear_time_observers():
 
 
 @contextlib.contextmanager
-def preprocess_sharing_constants():
-    """QNN's preprocess given each partition's program without a copy of its constants.
+def lean_preprocess(weights_to: str | None = None):
+    """QNN's preprocess without copies of the weights it no longer reads.
 
-    ExecuTorch deep-copies every partition's program before a backend's preprocess
-    (BackendDetails.copy_exported_program_for_preprocess, in case the backend changes it), and
-    QNN's preprocess holds the copies of all methods while it compiles them into one context: a
-    copy of the shard's quantized weights per method, beside the copy QNN's tensor wrappers make
-    (a 3B-shaped layer: 0.1 GB each). QNN's preprocess passes rewrite the graph, not the tensors'
-    data: the copy takes the graph and shares the tensors. Same context binaries."""
+    - ExecuTorch deep-copies every partition's program before a backend's preprocess
+      (BackendDetails.copy_exported_program_for_preprocess, in case the backend changes it), and
+      QNN's preprocess holds the copies of all methods while it compiles them into one context: a
+      copy of the shard's quantized weights per method (a 3B-shaped layer: 0.1 GB each). QNN's
+      preprocess passes rewrite the graph, not the tensors' data: the copy takes the graph and
+      shares the tensors.
+    - By the time QNN compiles, its tensor wrappers hold their own copies of the weights, yet the
+      programs' tensors stay alive through the compile, its peak (0.7 GB in a 7-layer 3B-shaped
+      shard). With a folder `weights_to` (on a disk: on tmpfs it would be memory still), their
+      data is moved just before it to a file there and mapped back copy-on-write: the same values
+      for whatever reads them after, in memory only if it does.
+    Same context binaries."""
+    import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as qnn_manager
     from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
 
     if "copy_exported_program_for_preprocess" in vars(QnnBackend):  # a QNN with a copy of its own: left to it
         yield
         return
+    wrapped: list[torch.Tensor] = []  # the tensors of the programs QNN has been given
 
     def copy_sharing_constants(cls, program, compile_specs):
-        tensors = [*program.state_dict.values(), *program.constants.values()]
-        return copy.deepcopy(program, memo={id(t): t for t in tensors if isinstance(t, torch.Tensor)})
+        tensors = [
+            t for t in [*program.state_dict.values(), *program.constants.values()] if isinstance(t, torch.Tensor)
+        ]
+        wrapped.extend(tensors)
+        return copy.deepcopy(program, memo={id(t): t for t in tensors})
+
+    compile_ = qnn_manager.QnnManager.Compile
+
+    def compile_with_weights_on_disk(manager, *args):
+        if weights_to is not None:
+            mapped_from_disk(wrapped, weights_to)
+        wrapped.clear()
+        return compile_(manager, *args)
 
     QnnBackend.copy_exported_program_for_preprocess = classmethod(copy_sharing_constants)
+    qnn_manager.QnnManager.Compile = compile_with_weights_on_disk
     try:
         yield
     finally:
         del QnnBackend.copy_exported_program_for_preprocess
+        qnn_manager.QnnManager.Compile = compile_
+
+
+def mapped_from_disk(tensors: list[torch.Tensor], folder: str, smallest: int = 1 << 16) -> None:
+    """Each tensor's data (of `smallest` bytes or more) written to one file in `folder` and the
+    tensor made to read it from there (a private map of the file, unlinked at once): every holder
+    of the tensor sees the same values, and its old storage is freed unless another tensor shares
+    it. Pages are read back from the file only where something reads them."""
+    import tempfile
+
+    tensors = [t for t in tensors if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"]
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        if t.untyped_storage().nbytes() >= smallest:
+            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+    if not storages:
+        return
+    offsets, size = {}, 0
+    for key, storage in storages.items():
+        offsets[key] = size
+        size += -(-storage.nbytes() // 4096) * 4096  # page-aligned: every dtype's element offset whole
+    handle, path = tempfile.mkstemp(prefix="composite-qnn-weights-", dir=folder)
+    try:
+        with open(handle, "wb") as file:
+            for key, storage in storages.items():
+                file.seek(offsets[key])
+                file.write(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+            file.truncate(size)
+        mapped = torch.from_file(path, shared=False, size=size, dtype=torch.uint8).untyped_storage()
+    finally:
+        os.unlink(path)
+    with torch.no_grad():
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            if key in offsets:
+                first = offsets[key] // t.element_size() + t.storage_offset()
+                t.set_(mapped, first, t.size(), t.stride())
 
 
 def traced_htp(module, example_inputs: dict, options: dict, n_positions: int) -> dict:
@@ -244,7 +302,9 @@ class QnnShardLowering:
         self.calibrated[method] += 1
         return outputs
 
-    def lower(self, measure: Callable[[bytes], tuple]) -> tuple[LoweredShard, int, int, list]:
+    def lower(
+        self, measure: Callable[[bytes], tuple], weights_to: str | None = None
+    ) -> tuple[LoweredShard, int, int, list]:
         """-> (the lowered shard, whose contexts carry the spill-fill size they need, that size,
         the bytes of its context binaries, [measure(.pte bytes)] of what runs on this host: one
         item a program, each measuring the methods it has). XNNPACK takes what QNN is told to
@@ -254,7 +314,9 @@ class QnnShardLowering:
         compile's leftovers (memory the process keeps after it, ~0.2 GB a 3B-shaped layer) lie
         under the other's peak, and a twin method's compile (half the shard's) stays below the
         shard's. The prepared graphs, and the float weights they hold, are let go as each is
-        converted: compiling is where a QNN shard needs the most memory."""
+        converted: compiling is where a QNN shard needs the most memory. weights_to: a folder on
+        disk where the weights wait while the shard compiles (lean_preprocess; not the twin's:
+        a fork's weights are its parent's pages)."""
         graphs, self.graphs = self.graphs, None
         if self.quantized:
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
@@ -285,7 +347,7 @@ class QnnShardLowering:
         if self.options["weight_sharing"]:
             notes.append("weights shared by its methods; SQNR measured on its unshared twin (same graphs)")
             measured = [ForkedCall(self._measured_twin, (edge, method, measure)).result() for method in self.names]
-        partitioned = self._partitioned(edge, compile_spec(self.options))
+        partitioned = self._partitioned(edge, compile_spec(self.options), weights_to=weights_to)
         del edge
         content_signatures(partitioned)
         own = own_spill_fill(partitioned)
@@ -378,18 +440,18 @@ class QnnShardLowering:
             partitioners.append(XnnpackPartitioner())
         return partitioners
 
-    def _partitioned(self, edge, spec, methods: list[str] | None = None):
+    def _partitioned(self, edge, spec, methods: list[str] | None = None, weights_to: str | None = None):
         """`edge` with QNN's part compiled for `spec` (and what QNN skips given to XNNPACK). One
         context holds every method's graph (ExecuTorch's multi-method preprocess); with weight
         sharing in the spec, they hold one copy of the weights between them. methods: the
-        manifest's (edge.methods is a set), unless `edge` holds fewer."""
+        manifest's (edge.methods is a set), unless `edge` holds fewer. weights_to: lean_preprocess's."""
         from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
 
         methods = methods or list(self.example_inputs)
         # a partitioner instance per method, as to_edge_transform_and_lower has them: QNN's
         # collects the partition tags of every program it is given
         partitioners = {method: self._partitioners(spec) for method in methods}
-        with QnnManagerContext({method: spec for method in methods}), preprocess_sharing_constants():
+        with QnnManagerContext({method: spec for method in methods}), lean_preprocess(weights_to):
             for step in range(len(partitioners[methods[0]])):
                 edge = edge.to_backend({method: partitioners[method][step] for method in methods})
         return edge
@@ -579,6 +641,7 @@ def lower_qnn_shard(
     stream: list | None,
     max_seq_len: int,
     next_stream: list | None = None,
+    weights_to: str | None = None,
 ) -> QnnLowered:
     """One QNN shard, from its float module (load() makes it; this function holds the only
     reference, so that the float weights go before the shard is compiled) to its .pte: calibrated
@@ -591,7 +654,8 @@ def lower_qnn_shard(
     Quantized native I/O: each layer's cache gets one range (input and new-entry output, every
     method), and the hidden state out of the shard the range of `next_stream` (the float model's
     output of this shard, as the next shard takes it), so that two adjacent QNN shards meet
-    without a conversion and neither needs the other to be calibrated."""
+    without a conversion and neither needs the other to be calibrated. weights_to: a folder on
+    disk for the weights while QNN compiles (lean_preprocess; None: they stay in memory)."""
     started = time.perf_counter()
     module = load()
     stages = {"read": time.perf_counter() - started}
@@ -616,7 +680,7 @@ def lower_qnn_shard(
         measuring = time.perf_counter()
         return measure(buffer, held_out, expected, names, job.io_encodings), time.perf_counter() - measuring
 
-    lowered, own, context_bytes, measured = job.lower(timed_measure)
+    lowered, own, context_bytes, measured = job.lower(timed_measure, weights_to)
     sqnr, worst, stages["measure"] = {}, {}, 0.0
     for (program_sqnr, program_worst), seconds in measured:
         sqnr.update(program_sqnr)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -221,6 +222,8 @@ def _lower_qnn(work: ShardWork, examples, names, stages) -> tuple[LoweredShard, 
         work.stream,
         work.max_seq_len,
         next_stream=work.next_stream,
+        # beside the .pte it writes (the export's disk), else where temporary files go
+        weights_to=str(Path(work.output).parent) if work.output else tempfile.gettempdir(),
     )
     stages.update(lowered.stages)
     qnn = {
