@@ -3,6 +3,7 @@ every backend shares (composite.lowering dispatches to the backends)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,27 @@ def inspect_program(manager) -> tuple[dict, dict]:
         delegates[plan.name] = counts
         cpu_ops[plan.name] = sorted(ops)
     return delegates, cpu_ops
+
+
+@contextmanager
+def provenance_shared():
+    """Node provenance passed on by reference. Every graph pass gives each node it makes a
+    NodeSource that deep-copies the whole chain of NodeSources before it, so the copies grow with
+    the passes a graph has been through: 7% of a QNN shard's lowering. Nothing in torch or ExecuTorch
+    changes a NodeSource once made (they read the chain: debug handles, the inspector), so sharing
+    the chain keeps every node's provenance, and the program's bytes, as they are."""
+    from torch.fx.traceback import NodeSource
+
+    had = "__deepcopy__" in NodeSource.__dict__
+    saved = NodeSource.__dict__.get("__deepcopy__")
+    NodeSource.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if had:
+            NodeSource.__deepcopy__ = saved
+        else:
+            del NodeSource.__deepcopy__
 
 
 def executorch_config(planning: dict | None = None):

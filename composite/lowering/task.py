@@ -32,7 +32,7 @@ from composite import manifest as manifest_schema
 from composite.config import Placement
 from composite.lowering import embedding
 from composite.lowering.calibration import Call, replay_wide
-from composite.lowering.program import LoweredShard
+from composite.lowering.program import LoweredShard, provenance_shared
 from composite.manifest import DECODE, PREFILL
 from composite.model.llama import ModelArgs, Transformer, rope_inv_freq
 from composite.model.loaded import build_model, part_names
@@ -140,7 +140,7 @@ def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | 
     None: the calls' tokens), its hidden output given the range of `next_stream` (the float
     shard's own output per call)."""
     work = dataclasses.replace(work, stream=stream, next_stream=next_stream)
-    with one_thread():
+    with one_thread(), provenance_shared():
         stages = {}
         io = {m: shard_io(work.args, work.spec, n, work.max_seq_len) for m, n in work.methods.items()}
         names = {m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in io.items()}
