@@ -42,8 +42,9 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     methods' edge programs and the HTP compile's copies (its peak), 16a4w, weight-shared, context
     1024, 2026-12-05: a 3B-shaped shard of 2 layers 2.65 GB (2.54x above the process); the 3B
     hybrid's 7-layer shards 7.96-8.07 GB, where 2.6x expects 7.9. Since the weights wait on disk
-    while QNN compiles (qnn.lean_preprocess) they peak at 7.21-7.30 GB: the factor is kept, 8% high,
-    as it only decides which jobs run together."""
+    while QNN compiles (qnn.lean_preprocess) and node provenance is shared (program.provenance_shared)
+    they peak at 6.96-7.09 GB (2026-12-06): the factor is kept, 12% high, as it only decides which
+    jobs run together (one within 8 GB, two within 16, either way)."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2

@@ -45,7 +45,8 @@ def inspect_program(manager) -> tuple[dict, dict]:
 def provenance_shared():
     """Node provenance passed on by reference. Every graph pass gives each node it makes a
     NodeSource that deep-copies the whole chain of NodeSources before it, so the copies grow with
-    the passes a graph has been through: 7% of a QNN shard's lowering. Nothing in torch or ExecuTorch
+    the passes a graph has been through: a 7-layer 3B-shaped QNN 16a4w job's lowering took ~865 s
+    with them, ~715 s without, and peaked 0.24 GB higher. Nothing in torch or ExecuTorch
     changes a NodeSource once made (they read the chain: debug handles, the inspector), so sharing
     the chain keeps every node's provenance, and the program's bytes, as they are."""
     from torch.fx.traceback import NodeSource
