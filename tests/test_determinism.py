@@ -74,8 +74,7 @@ def test_shared_node_provenance_keeps_provenance_and_bytes():
         chains = [
             [without_ids(source.to_dict()) for source in node.meta.get("from_node", [])]
             for method in edge.methods
-            for graph in [edge.exported_program(method).graph_module]
-            for module in graph.modules()
+            for module in edge.exported_program(method).graph_module.modules()
             if isinstance(module, torch.fx.GraphModule)
             for node in module.graph.nodes
         ]

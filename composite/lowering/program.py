@@ -51,16 +51,15 @@ def provenance_shared():
     the chain keeps every node's provenance, and the program's bytes, as they are."""
     from torch.fx.traceback import NodeSource
 
-    had = "__deepcopy__" in NodeSource.__dict__
-    saved = NodeSource.__dict__.get("__deepcopy__")
+    own = NodeSource.__dict__.get("__deepcopy__")  # None: copy.deepcopy's default, as in torch 2.13
     NodeSource.__deepcopy__ = lambda self, memo: self
     try:
         yield
     finally:
-        if had:
-            NodeSource.__deepcopy__ = saved
-        else:
+        if own is None:
             del NodeSource.__deepcopy__
+        else:
+            NodeSource.__deepcopy__ = own
 
 
 def executorch_config(planning: dict | None = None):
