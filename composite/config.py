@@ -96,10 +96,10 @@ BACKEND_OPTION_KEYS = {
 DEFAULT_OPTIONS = {
     # attention: "kernel" = composite::attention in the decode method (composite/ops/attention.py)
     # dtype: fp16 = float16 weights, activations and native I/O (hidden state, KV cache)
-    # head_quantize: a quantized shard's head (the output linear) keeps 8-bit weights by default:
-    # on SmolLM2-135M, 8da4w with a 4-bit head has 1.4x the KL divergence of one with an 8-bit head (docs/quality.md,
-    # quality). weight_mapping: torchao's symmetric mapping clips each group's largest weight to
-    # 7/7.5 of it at 4 bits; symmetric_no_clipping_err picks the scale that clips nothing.
+    # head_quantize: a quantized shard's head (the output linear) keeps 8-bit weights by default,
+    # chosen by the KL divergence measured with each (docs/quality.md, Results). weight_mapping:
+    # torchao's symmetric mapping clips each group's largest weight to 7/7.5 of it at 4 bits;
+    # symmetric_no_clipping_err picks the scale that clips nothing.
     "xnnpack": {
         "quantize": "none",
         "group_size": 32,
@@ -158,10 +158,8 @@ class ExportConfig:
     def rotation(self) -> str:
         """The rotation (one of ROTATIONS) with auto resolved: a rotation when some shard quantizes
         weights to 8 bits (or QNN's 16) and none to 4; hadamard-ffn when those shards are all
-        XNNPACK ones (measured there), else hadamard. On SmolLM2 the residual rotation halves the
-        KL divergence of 8da8w and of QNN 16a8w and doubles that of 8da4w and 16a4w (docs/quality.md,
-        quality): its weights come from a Q4_1 GGUF, on a 4-bit grid in the unrotated basis; the
-        feed-forward rotation halves 8da8w's again."""
+        XNNPACK ones, else hadamard. The rule follows what the rotations do to each recipe's KL
+        divergence as measured (docs/quality.md, Results); 4-bit recipes are left unrotated."""
         if self.rotate != "auto":
             return self.rotate
         weight_bits, quantized_backends = set(), set()

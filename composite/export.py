@@ -1,7 +1,7 @@
 """python -m composite.export: cut a LLaMA into N shards and lower each to its own .pte.
 
 parse (flags over the YAML, config.py) -> plan (checkpoint, shards, placements) -> lower (each
-shard with its backend; QNN shards also together: lowering/qnn.py) -> write (a staging folder
+shard with its backend: lowering/; QNN shards also together: spill_fill.py) -> write (a staging folder
 renamed into place when complete: staging.py; the manifest: manifest.py).
 """
 
@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from composite import chat_template, qnn_host, shard_cache, staging
+from composite import chat_template, manifest_write, qnn_host, shard_cache, spill_fill, staging
 from composite import manifest as manifest_schema
 from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
 from composite.errors import Failure, UserError, exits_cleanly
@@ -36,8 +36,7 @@ from composite.executor.ray_cluster import from_ray_flag
 from composite.export_report import JobProgress, JobRuns, print_summary, write_summary
 from composite.lowering import embedding
 from composite.lowering.htp_limits import check_placement, layer_capacity
-from composite.lowering.jobs import lowering_jobs, shard_file
-from composite.lowering.qnn import settle_spill_fill
+from composite.lowering.jobs import lowering_jobs, shard_file, shard_works
 from composite.lowering.task import ShardLowered, lower_task
 from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo, memory_budget
 from composite.model.checkpoint import load_checkpoint
@@ -155,13 +154,14 @@ def lower_all(
     keeps what it finished. -> (manifest entries, the manifest's qnn summary, how its jobs ran). bos: the id the runners put before a text prompt, which calibration puts before
     its text too."""
     watch = watch or Stopwatch()
+    works = shard_works(loaded, specs, placements, config, tokenizer, bos)
     with watch.stage("cache keys"):
-        keys = shard_cache.export_keys(loaded, specs, placements, config, tokenizer, bos) if cache else {}
+        keys = shard_cache.export_keys(works) if cache else {}
     entries = shard_cache.hits(cache, keys, folder, {spec.index: shard_file(spec) for spec in specs})
     missing = [spec.index for spec in specs if spec.index not in entries]
     executor = executor or LocalExecutor(default_workers())
     write_to = folder if executor.shares_files else None
-    jobs = lowering_jobs(loaded, specs, placements, config, tokenizer, bos, missing, write_to)
+    jobs = lowering_jobs(works, missing, write_to)
     runs = JobRuns()
     progress = JobProgress([job for job in jobs if job.fn is lower_task])
 
@@ -177,8 +177,8 @@ def lower_all(
         path = folder / shard_file(spec)
         if result.shard.buffer:  # a job that does not share this disk sends the bytes
             path.write_bytes(result.shard.buffer)
-        entry = manifest_schema.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
-        entries[spec.index] = {**entry, **result.qnn}
+        entry = manifest_write.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
+        entries[spec.index] = {**entry, **result.facts}
         shard_cache.store(cache, keys, entries[spec.index], folder)
         runs.shards[spec.index] = {**job_facts, "stages": result.stages}
 
@@ -191,7 +191,7 @@ def lower_all(
     if not any(p.backend == "qnn" for p in placements):
         return shards, None, runs
     with watch.stage("spill-fill"):
-        summary = settle_spill_fill(folder, shards, [run["stages"] for run in runs.every()])
+        summary = spill_fill.settle(folder, shards, [run["stages"] for run in runs.every()])
     return shards, summary, runs
 
 
@@ -213,7 +213,7 @@ def build_manifest(
             "sha256": manifest_schema.sha256_file(tokenizer.path),
         }
     )
-    return manifest_schema.document(
+    return manifest_write.document(
         export_id=uuid.uuid4().hex,
         model=args.to_dict(),
         source={"kind": loaded.kind, "path": loaded.path, "rotation": config.rotation()},
@@ -275,7 +275,7 @@ def run_export(
             with watch.stage("write"):
                 if tokenizer is not None:
                     (folder / tokenizer.path.name).write_bytes(tokenizer.path.read_bytes())
-                manifest_schema.write(folder, build_manifest(loaded, tokenizer, chat, config, shards, qnn_summary))
+                manifest_write.write(folder, build_manifest(loaded, tokenizer, chat, config, shards, qnn_summary))
                 staging.replace_folder(folder, output)
         except BaseException as error:
             shutil.rmtree(folder, ignore_errors=True)

@@ -1,8 +1,8 @@
 """manifest.json: the only contract between the exporter and the runners (Python and C++).
 
-This module describes it (below), writes it (`shard_entry`, `document`, `write`) and reads it
-(`read`, `parse`); runner_cpp/manifest.cpp reads it too, with the same checks and messages
-(tests/manifests holds cases both must judge alike).
+This module describes it (below) and reads it (`read`, `parse`); manifest_write.py writes it
+(`shard_entry`, `document`, `write`); runner_cpp/manifest.cpp reads it too, with the same checks
+and messages (tests/manifests holds cases both must judge alike).
 
 Schema, version 2. [R] = read and checked by both runners; the rest is written for people and
 tools (the runners ignore it). Every key is written by every export unless marked optional.
@@ -102,6 +102,13 @@ FILENAME = "manifest.json"
 FLOAT32_MAX = 3.4028234663852886e38
 MASK_HIDDEN = -30000.0  # finite so fp16 backends represent it; exp() of it is 0 in fp32
 DECODE, PREFILL = "decode", "prefill"
+
+
+def method_widths(prefill_len: int) -> dict[str, int]:
+    """Every shard's methods and the tokens each takes per call: the one place that says so."""
+    return {DECODE: 1, PREFILL: prefill_len}
+
+
 CHAT_TRIM_ROLES = ("system", "user")
 
 # The dtypes the manifest names, as torch spells them and as ExecuTorch's ScalarType numbers them
@@ -148,105 +155,12 @@ def memory_figures(manifest: dict) -> dict:
     return {"kv_cache_bytes": sum(per_shard), "kv_cache_bytes_per_shard": per_shard, "decode_io_bytes_per_shard": io}
 
 
-def tensor_entries(specs, native: dict | None = None) -> list[dict]:
-    """native: name -> (dtype name, {scale, zero_point} or None) of tensors in a QNN shard's own dtype."""
-    entries = []
-    for s in specs:
-        entry = {"name": s.name, "shape": list(s.shape), "dtype": dtype_name(s.dtype)}
-        if native and s.name in native:
-            entry["dtype"], quant = native[s.name]
-            if quant is not None:
-                entry["quant"] = quant
-        entries.append(entry)
-    return entries
-
-
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _standard_json(value):
-    """JSON has no Infinity or NaN (the C++ reader rejects them): an exact SQNR, the one
-    non-finite number an export measures, is written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _standard_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_standard_json(v) for v in value]
-    return value
-
-
-def shard_entry(path: Path, spec, placement, lowered, io: dict, seconds: float) -> dict:
-    """The manifest's record of one written shard file. spec: split.plan.ShardSpec; placement:
-    config.Placement; lowered: lowering.program.LoweredShard; io: method -> inputs/outputs."""
-    entry = {
-        "index": spec.index,
-        "file": path.name,
-        "sha256": sha256_file(path),
-        "size": path.stat().st_size,
-        "layers": [spec.layer_start, spec.layer_end],
-        "has_embedding": spec.has_embedding,
-        "has_head": spec.has_head,
-        "placement": {"backend": placement.backend, "options": placement.options},
-        "backends": lowered.backends,
-        "delegates": lowered.delegates,
-        "cpu_ops": lowered.cpu_ops,
-        "io": io,
-        "export_seconds": round(seconds, 2),
-        "notes": lowered.notes,
-    }
-    if placement.backend == "qnn":
-        entry["weight_sharing"] = placement.options["weight_sharing"]
-    return entry
-
-
-def document(
-    *,
-    export_id: str,
-    model: dict,
-    source: dict,
-    max_seq_len: int,
-    prefill_len: int,
-    cache_shapes: tuple,
-    tokenizer: dict | None,
-    bos_id: int | None,
-    eos_ids: list[int],
-    chat: dict | None,
-    shards: list[dict],
-    qnn: dict | None,
-    versions: dict,
-) -> dict:
-    """The whole manifest, as the schema above describes it."""
-    k_shape, v_shape = cache_shapes
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "export_id": export_id,
-        "model": model,
-        "source": source,
-        "max_seq_len": max_seq_len,
-        "methods": {DECODE: 1, PREFILL: prefill_len},
-        "kv_cache": {
-            "dtype": "float32",
-            "k_shape": list(k_shape),
-            "v_shape": list(v_shape),
-            "k_new_shape": "[n_kv_heads, head_dim, T]",
-            "v_new_shape": "[n_kv_heads, T, head_dim]",
-        },
-        "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": MASK_HIDDEN},
-        "tokenizer": tokenizer,
-        "bos_id": bos_id,
-        "eos_ids": eos_ids,
-        "chat": chat,
-        "shards": shards,
-        "qnn": qnn,
-        "versions": versions,
-    }
 
 
 def check_against_program(program, shard: dict) -> None:
@@ -269,11 +183,6 @@ def check_against_program(program, shard: dict) -> None:
                         f"shard {shard['index']} {method} {kind[:-1]} {entry['name']}: program has "
                         f"{list(info.sizes())} {dtype}, manifest says {entry['shape']} {entry['dtype']}"
                     )
-
-
-def write(folder: Path, manifest: dict) -> None:
-    text = json.dumps(_standard_json(manifest), indent=1, allow_nan=False)
-    (folder / FILENAME).write_text(text + "\n", encoding="utf-8")
 
 
 def read(folder: Path) -> dict:

@@ -110,12 +110,13 @@ class PeakMemory:
     of each process it started, with that one's own children (a job and the forks it makes), so
     that the work a process did can be told its share (`peak_of(pid)`).
 
-    Reading PSS walks a process's page tables: ~40 ms for an export of 1.4 GB here, ~0.1 s at
-    8 GB. Read every `interval` seconds, it would take a core's tenth from the work measured, so
-    PSS is read every 50 times what a read costs (~2% of a core: `wait_per_read_cost`); in between, every
+    Reading PSS walks a process's page tables, which takes longer the more a process maps; read
+    every `interval` seconds it would take much of a core from the work measured, so PSS is read
+    every 50 times what a read costs (~2% of a core: `wait_per_read_cost`). In between, every
     `interval` seconds, the tree's summed RSS (a counter, read at once) is read, and a rise of
-    `rise` bytes over the RSS of the last PSS reading is read at once: QNN's compile ends with a
-    2-second spike of 1.5 GB a 3B-shaped shard, which readings 5 s apart missed."""
+    `rise` bytes over the RSS of the last PSS reading is read at once: a spike shorter than the
+    wait between PSS readings (QNN's compile ends with one) is not missed (docs/scale.md, how the
+    peak is sampled)."""
 
     def __init__(
         self, interval: float = 0.25, root: int | None = None, rise: int = 64 << 20, wait_per_read_cost: float = 49

@@ -1,13 +1,12 @@
 """A cache of lowered shards, so a re-export lowers only the shards whose inputs changed.
 
 An entry is a shard's .pte and its manifest entry, under a key that hashes everything that
-decides those bytes: the checkpoint tensors the shard is made of (their stored bytes, hashed as
-the file holds them: nothing is converted to compute a key), the rotation, its layers, placement
-and options, the methods and their lengths, the embedding's quantization, the versions of torch,
-executorch, torchao and this package's source, and for QNN shards the QNN libraries, the float
-model up to the shard, the calibration text and settings, the tokenizer and BOS (calibration
-inputs and the measured SQNR come from the float chain). A QNN shard is stored with the spill-fill
-size it needs itself; the export raises it to the shared size when it writes the shard. It lives in ~/.cache/composite/shards (COMPOSITE_CACHE moves it,
+decides those bytes: the shard's ShardWork (lowering/work.py, every field: its layers, placement
+and options, rotation, methods, the embedding's quantization, the checkpoint tensors it is made
+of as the file stores them, and for a QNN shard its calibration calls and the float model that
+feeds it), the versions of torch, executorch, torchao and this package's source, and for QNN
+shards the QNN libraries. A QNN shard is stored with the spill-fill size it needs itself; the
+export raises it to the shared size when it writes the shard. It lives in ~/.cache/composite/shards (COMPOSITE_CACHE moves it,
 COMPOSITE_CACHE=off or --no-cache turns it off), holds at most COMPOSITE_CACHE_MAX_MB megabytes
 (default 20480), least recently used first out.
 
@@ -72,67 +71,29 @@ def key_of(parts: dict) -> str:
     return hashlib.sha256(json.dumps({"schema": SCHEMA, **parts}, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def part_digests(loaded, specs) -> list[str]:
-    """Per shard, a digest of the checkpoint tensors it is made of (read a shard at a time; a
-    tensor two shards share, a tied table, is read once)."""
-    from composite.model.loaded import part_names
+def export_keys(works: list) -> dict[int, str]:
+    """Each shard's cache key: its ShardWork's key parts (lowering/work.py: everything that decides
+    the shard's .pte and manifest entry) and what the code it is lowered with is: the versions of
+    the libraries and of this package's source, and for a QNN shard the QNN libraries' build."""
+    known: dict[str, str] = {}  # a tensor two shards read (a tied table, the float model) is hashed once
 
-    known: dict[str, str] = {}
-    digests = []
-    for spec in specs:
-        names = part_names(loaded.args, spec.has_embedding, spec.layers, spec.has_head)
-        known.update(loaded.weights.digests([n for n in names if n not in known]))
-        digests.append(key_of({name: known[name] for name in names}))
-    return digests
+    def digests(names: list[str]) -> dict[str, str]:
+        missing = [n for n in names if n not in known]
+        if missing:
+            known.update(works[0].weights.digests(missing))
+        return {name: known[name] for name in names}
 
-
-def export_keys(loaded, specs, placements, config, tokenizer, bos) -> dict[int, str]:
-    """Each shard's cache key: everything that decides its .pte and manifest entry."""
-    common = {
-        "versions": manifest_schema.versions(),
-        "source": source_fingerprint(),
-        "model": loaded.args.to_dict(),
-        "rotation": config.rotation(),
-        "max_seq_len": config.max_seq_len,
-        "methods": {manifest_schema.DECODE: 1, manifest_schema.PREFILL: config.prefill_len},
-    }
-    digests = part_digests(loaded, specs)
-    qnn_common = None
-    if any(p.backend == "qnn" for p in placements):
+    code = qnn_code = {"versions": manifest_schema.versions(), "source": source_fingerprint()}
+    if any(work.placement.backend == "qnn" for work in works):
         from composite import qnn_host
 
-        # A QNN shard's calibration inputs and held-out SQNR input come from the float chain.
-        qnn_common = {
-            "qnn_build": qnn_host.prepare().build_id,
-            "tokenizer": manifest_schema.sha256_file(tokenizer.path) if tokenizer is not None else None,
-            "bos": bos,
-        }
-    keys = {}
-    for spec, placement in zip(specs, placements):
-        embedding = config.embedding_bits_and_group() if spec.has_embedding else None
-        parts = {
-            **common,
-            "weights": digests[spec.index],
-            "layers": [spec.layer_start, spec.layer_end],
-            "embedding": spec.has_embedding,
-            "head": spec.has_head,
-            "placement": {"backend": placement.backend, "options": placement.options},
-            # the notes of a quantized embedding name the shard where a tied head keeps its copy
-            "embedding_quantize": [embedding, specs[-1].index] if embedding else None,
-        }
-        if placement.backend == "qnn":
-            from composite.lowering.calibration import calibration_text, effective_options
-
-            calibration = effective_options(placements, spec.index)
-            text = hashlib.sha256(calibration_text(calibration).encode()).hexdigest()
-            parts["qnn"] = {
-                **qnn_common,
-                "float_model": digests[: spec.index + 1],
-                "calibration": calibration,
-                "calibration_text": text,
-            }
-        keys[spec.index] = key_of(parts)
-    return keys
+        qnn_code = {**code, "qnn_build": qnn_host.prepare().build_id}
+    return {
+        work.spec.index: key_of(
+            {"code": qnn_code if work.placement.backend == "qnn" else code, **work.key_parts(digests)}
+        )
+        for work in works
+    }
 
 
 def hits(cache: ShardCache | None, keys: dict[int, str], folder: Path, files: dict[int, str]) -> dict[int, dict]:

@@ -28,7 +28,7 @@ from composite.config import DEFAULT_OPTIONS, build_config
 from composite.export import run_export
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import quantize_linears, xnnpack_form
-from composite.manifest import DECODE, PREFILL
+from composite.manifest import method_widths
 from composite.model.checkpoint import load_checkpoint
 from composite.runtime.chain import ShardChain, eager_chain
 from composite.runtime.generate import generate
@@ -85,7 +85,7 @@ def eager_generation(paths: dict, embedding_quantize: str, prompt: list[int], ne
         bits, group = (int(x) for x in embedding_quantize.split(","))
         shard.tok_embeddings = QuantizedEmbedding(model.tok_embeddings.weight, bits, group)
     module, _ = quantize_linears(xnnpack_form(shard), {**DEFAULT_OPTIONS["xnnpack"], **XNNPACK})
-    chain = eager_chain(model, [module], {DECODE: 1, PREFILL: PREFILL_LEN}, MAX_SEQ_LEN)
+    chain = eager_chain(model, [module], method_widths(PREFILL_LEN), MAX_SEQ_LEN)
     return generate(chain, prompt, new_tokens, Sampler(), keep_logits=True)
 
 

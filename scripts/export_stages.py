@@ -22,7 +22,7 @@ STAGES = [
     ("float passes (calibration inputs)", ("float_task", "replay")),
     ("QNN quantizer (prepare, convert)", ("prepare_pt2e", "convert_pt2e")),
     ("SQNR measure (simulator)", ("measure",)),
-    ("QNN spill-fill sharing", ("settle_spill_fill", "own_spill_fill")),
+    ("QNN spill-fill sharing", ("settle", "own_spill_fill")),
     ("partitioning", ("XnnpackPartitioner.partition", "QnnPartitioner.partition", "Partitioner.partition")),
     ("XNNPACK preprocess: graph passes", ("XNNPACKPassManager.transform",)),
     ("XNNPACK preprocess: serialization", ("XnnpackBackend.preprocess",)),

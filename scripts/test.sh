@@ -37,7 +37,7 @@ bash scripts/fuzz.sh 5 build-sanitized     # libFuzzer (the same build): manifes
 stage "fuzzers"
 # QNN tests run on the HTP simulator: the loader path must be set before the process starts.
 eval "$(python3 -m composite.qnn_host env)"
-export COMPOSITE_REQUIRE_QNN=1 COMPOSITE_REQUIRE_ARM64=1
+export COMPOSITE_REQUIRE_QNN=1 COMPOSITE_REQUIRE_ARM64=1 COMPOSITE_REQUIRE_RUNNER=1
 # Two worker processes, one per core (lowering is mostly single-threaded Python); each test file
 # runs in one of them, and the session exports they share are made once (tests/conftest.py).
 python3 -m pytest -q -n 2 --dist loadfile --durations=25 "$@"

@@ -74,11 +74,11 @@ def lower_here(loaded, config, index: int) -> bytes:
     """The .pte bytes of shard `index` of `config`, lowered in this process by the job an export
     runs for it (CPU shards: no calibration chain)."""
     from composite.executor.local import LocalExecutor
-    from composite.lowering.jobs import lowering_jobs
+    from composite.lowering.jobs import lowering_jobs, shard_works
     from composite.split.plan import plan_shards
 
     specs = plan_shards(loaded.args, config.shards)
-    jobs = lowering_jobs(loaded, specs, config.placements(), config, None, None, [index])
+    jobs = lowering_jobs(shard_works(loaded, specs, config.placements(), config, None, None), [index])
     lowered = []
     LocalExecutor(0).run(jobs, lambda done: lowered.append(done.result.shard.buffer))
     return lowered[-1]
@@ -251,6 +251,24 @@ def default_tokenizer(workdir) -> Path:
     return made_once(
         workdir / "default_tokenizer.model", lambda p: p.write_bytes(load_default().tokenizer_path.read_bytes())
     )
+
+
+def runner_built(path: Path = RUNNER) -> bool:
+    """Whether `path` (composite_runner or a tool built beside it) is there to run. The test
+    command (scripts/test.sh) builds them and sets COMPOSITE_REQUIRE_RUNNER=1: a missing one then
+    fails the test that needs it instead of leaving it out."""
+    if path.is_file():
+        return True
+    if os.environ.get("COMPOSITE_REQUIRE_RUNNER") == "1":
+        pytest.fail(f"{path} is not built, and COMPOSITE_REQUIRE_RUNNER=1 requires it (scripts/build_runner.sh)")
+    return False
+
+
+@pytest.fixture
+def needs_runner():
+    """Skips a test when composite_runner is not built (fails it, where runner_built requires it)."""
+    if not runner_built():
+        pytest.skip(f"{RUNNER} not built (scripts/build_runner.sh)")
 
 
 @pytest.fixture(scope="session")

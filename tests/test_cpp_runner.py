@@ -16,12 +16,12 @@ from composite.model.default import corpus_text
 from composite.runtime.reference import generate_reference, reference_model
 from composite.runtime.sampler import Sampler
 from composite.tokenizer import Tokenizer
-from conftest import RUNNER, one_error_line, prompt_tokens_in_both_runners, run_cli
+from conftest import RUNNER, one_error_line, prompt_tokens_in_both_runners, run_cli, runner_built
 
 TOKENIZE = RUNNER.parent / "composite_tokenize"
 NEW_TOKENS = 64
 
-pytestmark = pytest.mark.skipif(not RUNNER.exists(), reason=f"{RUNNER} not built (scripts/build_runner.sh)")
+pytestmark = pytest.mark.usefixtures("needs_runner")
 
 TEXTS = [
     "Once upon a time there was a little robot.",
@@ -150,10 +150,11 @@ def tiktoken_ranks(path: Path) -> None:
     path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(vocab)))
 
 
-@pytest.mark.skipif(not TOKENIZE.exists(), reason="composite_tokenize not built")
 @pytest.mark.parametrize("special_as_text", [False, True])
 @pytest.mark.parametrize("kind", ["sentencepiece", "tiktoken"])
 def test_cpp_tokenizers_equal_python(tmp_path, default_tokenizer, kind, special_as_text):
+    if not runner_built(TOKENIZE):
+        pytest.skip(f"{TOKENIZE} not built (scripts/build_runner.sh)")
     if kind == "tiktoken":
         path = tmp_path / "ranks.tiktoken"
         tiktoken_ranks(path)
@@ -255,12 +256,12 @@ def test_seq_len_counts_every_token_in_both_runners(default_exports, tmp_path, s
 
 
 def test_manifest_with_an_exact_sqnr_loads_in_both_runners(default_exports, tmp_path):
-    from composite import manifest as manifest_schema
+    from composite import manifest_write
 
     folder = copy_export(default_exports[3], tmp_path / "exact")
     manifest = read(folder)
     manifest["shards"][1]["sqnr_db"] = {"decode": {"hidden": float("inf")}, "prefill": {"hidden": 41.5}}
-    manifest_schema.write(folder, manifest)
+    manifest_write.write(folder, manifest)
     text = (folder / "manifest.json").read_text()
     assert "Infinity" not in text
     assert read(folder)["shards"][1]["sqnr_db"]["decode"]["hidden"] is None

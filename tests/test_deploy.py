@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from composite.report import read_stats, render
-from conftest import REPO, RUNNER, one_error_line, run_cli
+from conftest import REPO, RUNNER, one_error_line, run_cli, runner_built
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -24,7 +24,7 @@ def deploy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def local_device(qnn_fp16_export, tmp_path_factory):
-    if not RUNNER.is_file():
+    if not runner_built():
         pytest.skip("composite_runner is not built (bash scripts/build_runner.sh build)")
     root = tmp_path_factory.mktemp("device")
     common = ["--transport", "local", "--local-root", str(root)]

@@ -1,6 +1,6 @@
 """Same inputs, same outputs: an export repeated gives byte-identical XNNPACK shards, and a seeded
-sampling run repeated gives the same tokens. (QNN shards are not checked here: a 3B-shaped 16a4w
-shard once came out 155 bytes apart between two exports; README, Known limits.)"""
+sampling run repeated gives the same tokens. (Quantized QNN shards lowered twice:
+tests/test_qnn_native_io.py; what QNN's compiler leaves to chance: docs/placement.md.)"""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_seeded_sampling_repeats(default_exports):
 
 def test_shared_node_provenance_keeps_provenance_and_bytes():
     """Lowering shares each node's provenance chain rather than deep-copying it at every pass
-    (composite.lowering.program.provenance_shared): the chains and the .pte bytes are the same."""
+    (composite.lowering.upstream_patches.provenance_shared): the chains and the .pte bytes are the same."""
     import copy
 
     import torch
@@ -54,7 +54,7 @@ def test_shared_node_provenance_keeps_provenance_and_bytes():
     from executorch.exir import to_edge_transform_and_lower
     from torch.fx.traceback import NodeSource
 
-    from composite.lowering.program import provenance_shared
+    from composite.lowering.upstream_patches import provenance_shared
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -6,9 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
-from conftest import REPO, RUNNER
+from conftest import REPO
 
 CHECK = [sys.executable, str(REPO / "scripts" / "docs_check.py")]
 
@@ -17,8 +15,7 @@ def docs_check(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CHECK, *args], capture_output=True, text=True, cwd=REPO)
 
 
-@pytest.mark.skipif(not RUNNER.exists(), reason=f"{RUNNER} not built (scripts/build_runner.sh)")
-def test_every_tiny_command_in_the_docs_runs(qnn_ready):
+def test_every_tiny_command_in_the_docs_runs(qnn_ready, needs_runner):
     done = docs_check()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "commands from" in done.stderr

@@ -20,7 +20,7 @@ from composite.split.plan import plan_shards
 from composite.split.shard import ShardModule
 from conftest import REPO, RUNNER, assert_clean_failure, run_cli
 
-needs_runner = pytest.mark.skipif(not RUNNER.is_file(), reason="composite_runner is not built")
+needs_runner = pytest.mark.usefixtures("needs_runner")
 
 
 def test_a_folder_that_is_not_an_export_is_refused_before_any_work(tmp_path):

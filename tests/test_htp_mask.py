@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
-from composite.manifest import DECODE, PREFILL
+from composite.manifest import method_widths
 from composite.model.default import default_model
 from composite.runtime.chain import eager_chain
 from composite.runtime.generate import generate
@@ -40,7 +40,7 @@ def logits_through(model, mask_floor) -> list[torch.Tensor]:
             form.spec = spec
             module = form
         modules.append(module)
-    chain = eager_chain(model, modules, {DECODE: 1, PREFILL: WIDTH}, CONTEXT)
+    chain = eager_chain(model, modules, method_widths(WIDTH), CONTEXT)
     generation = generate(chain, PROMPT, 8, Sampler(), keep_logits=True)
     return [generation.logits[p] for p in sorted(generation.logits)]
 

@@ -55,7 +55,7 @@ TEXTS = [
     "a<|eot_id|>b <|eom_id|><|begin_of_text|>",
 ]
 
-pytestmark = pytest.mark.skipif(not RUNNER.exists(), reason=f"{RUNNER} not built (scripts/build_runner.sh)")
+pytestmark = pytest.mark.usefixtures("needs_runner")
 
 
 def train_tokenizer(folder: Path) -> tokenizers.Tokenizer:

@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, runner_built
 
 PACKAGE = REPO / "composite"
 
@@ -35,3 +37,14 @@ for name in sys.argv[1:]:
     result = subprocess.run([sys.executable, "-c", script, *MODULES], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert not result.stdout.strip(), result.stdout
+
+
+def test_a_missing_runner_fails_the_tests_that_need_it_where_the_test_command_requires_it(tmp_path, monkeypatch):
+    missing = tmp_path / "composite_runner"
+    monkeypatch.delenv("COMPOSITE_REQUIRE_RUNNER", raising=False)
+    assert runner_built(missing) is False  # a skip, where nothing requires it
+    monkeypatch.setenv("COMPOSITE_REQUIRE_RUNNER", "1")
+    with pytest.raises(pytest.fail.Exception, match="COMPOSITE_REQUIRE_RUNNER=1 requires it"):
+        runner_built(missing)
+    missing.write_bytes(b"")
+    assert runner_built(missing)

@@ -30,6 +30,7 @@ from conftest import (
     qnn_fp16_cli,
     qnn_quantized_cli,
     run_cli,
+    runner_built,
     write_meta_checkpoint,
 )
 
@@ -125,7 +126,7 @@ def cpp_stats(folder, stats, max_new_tokens: int = 32) -> tuple[dict, str]:
 def test_fp16_generation_equals_eager_in_both_runners(qnn_fp16_export):
     reference = greedy_tokens("--artifacts", str(qnn_fp16_export), "--reference")
     assert greedy_tokens("--artifacts", str(qnn_fp16_export)) == reference
-    if not RUNNER.exists():
+    if not runner_built():
         pytest.skip("composite_runner is not built (scripts/build_runner.sh)")
     stats, stderr = cpp_stats(qnn_fp16_export, qnn_fp16_export.parent / "qnn_fp16_stats.json")
     assert stats["tokens"] == reference
@@ -336,7 +337,8 @@ def test_linear_time_observers_prepare_the_same_graph(qnn_ready):
 
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    from composite.lowering.qnn import linear_time_observers, quantizer_for
+    from composite.lowering.qnn_quantizer import quantizer_for
+    from composite.lowering.upstream_patches import linear_time_observers
 
     graph, example, options = tiny_htp_graph()
     stock = prepare_pt2e(copy.deepcopy(graph), quantizer_for(options))
@@ -366,7 +368,8 @@ def test_the_tuners_fake_quant_graph_computes_what_the_converted_one_does(qnn_re
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from composite.lowering.calibration import sqnr_db
-    from composite.lowering.qnn import linear_time_observers, quantizer_for
+    from composite.lowering.qnn_quantizer import quantizer_for
+    from composite.lowering.upstream_patches import linear_time_observers
     from composite.tune.sensitivity import fake_quant, faster_fake_quant
 
     graph, example, options = tiny_htp_graph(precision)
@@ -494,7 +497,7 @@ def test_qnn_preprocess_takes_a_partition_without_a_copy_of_its_weights(qnn_read
     ExecuTorch's own copy is back."""
     from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
 
-    from composite.lowering.qnn import lean_preprocess
+    from composite.lowering.upstream_patches import lean_preprocess
 
     program = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(1, 64),))
     with lean_preprocess():
@@ -528,7 +531,9 @@ def test_qnn_compiles_with_the_weights_on_disk(qnn_ready, tmp_path):
 
     from composite.config import DEFAULT_OPTIONS
     from composite.executor.fork import ForkedCall
-    from composite.lowering.qnn import compile_spec, lean_preprocess, qnn_backend_modules
+    from composite.lowering.qnn import compile_spec
+    from composite.lowering.qnn_pte import qnn_backend_modules
+    from composite.lowering.upstream_patches import lean_preprocess
 
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 128).eval()  # its weight 128 KB, its bias 512 bytes

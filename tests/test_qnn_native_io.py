@@ -190,3 +190,47 @@ def test_a_quantized_io_manifest_that_lies_gets_one_line_in_both_runners(quantiz
     ):
         for line in quantized_io_manifest_error(folder, tmp_path / edit.__name__, edit):
             assert phrase in line, line
+
+
+# What a QNN context binary holds beside the weights htp_limits estimates: each method's graph (its
+# ops, tensors and encodings), at most this many bytes a method and layer on the shapes measured
+# (docs/placement.md, "The HTP's memory limits").
+GRAPH_BYTES_PER_METHOD_AND_LAYER = 160_000
+
+
+@pytest.mark.parametrize("precision", ["fp16", *sorted(FLOAT_IO_SQNR)])
+def test_the_htp_estimate_of_a_shards_weights_is_what_its_compiled_contexts_hold(
+    precision, quantized_exports, qnn_fp16_export
+):
+    """The estimate that cuts QNN shards to the HTP's limits (lowering/htp_limits.py) against the
+    bytes of the context binaries compiled on the simulator: never more than them, and below them by
+    at most 5% and the graphs' own bytes."""
+    from composite.lowering.htp_limits import estimate
+    from composite.model.llama import ModelArgs
+    from composite.split.plan import ShardSpec
+
+    folder = qnn_fp16_export if precision == "fp16" else quantized_exports[precision][0]
+    manifest = manifest_schema.read(folder)
+    args = ModelArgs(**{k: v for k, v in manifest["model"].items() if k in ModelArgs.__dataclass_fields__})
+    qnn = [s for s in manifest["shards"] if s["placement"]["backend"] == "qnn"]
+    assert qnn
+    for shard in qnn:
+        spec = ShardSpec(shard["index"], *shard["layers"], shard["has_embedding"], shard["has_head"])
+        options = shard["placement"]["options"]
+        weights = estimate(args, spec, options, manifest["max_seq_len"], manifest["methods"]["prefill"]).weights
+        graphs = GRAPH_BYTES_PER_METHOD_AND_LAYER * len(manifest["methods"]) * max(1, len(spec.layers))
+        measured = shard["htp_context_bytes"]
+        assert weights <= measured <= 1.05 * weights + graphs, (shard["index"], weights, measured)
+
+
+def test_a_quantized_qnn_shard_lowered_twice_is_byte_identical(quantized_exports, workdir):
+    """The shard cache and --ray take a shard's bytes as a function of its inputs: the 16a4w shards
+    of the export above lowered again, nothing from the cache, give the same files."""
+    folder = quantized_exports["16a4w"][0]
+    config = folder.parent / "config.yaml"
+    again = workdir / "qnn_16a4w_6_again"
+    run_cli("composite.export", "--config", str(config), "--output", str(again), "--no-cache", check=True)
+    first, second = manifest_schema.read(folder), manifest_schema.read(again)
+    for index in (i for i, backend in enumerate(QUANTIZED_PLACEMENT) if backend == "qnn"):
+        assert second["shards"][index]["cache"] == "off"
+        assert first["shards"][index]["sha256"] == second["shards"][index]["sha256"], index

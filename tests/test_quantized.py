@@ -18,7 +18,7 @@ from composite.runtime.chain import ShardChain
 from composite.runtime.generate import generate
 from composite.runtime.reference import generate_reference
 from composite.runtime.sampler import Sampler
-from conftest import MAX_SEQ_LEN, PREFILL_LEN, RUNNER, assert_clean_failure, export, lower_here, run_cli
+from conftest import MAX_SEQ_LEN, PREFILL_LEN, RUNNER, assert_clean_failure, export, lower_here, run_cli, runner_built
 
 
 def test_8da4w_shards(default_8da4w_export, default_exports):
@@ -63,7 +63,7 @@ def test_quantized_embedding_generates_what_its_table_gives_in_eager(workdir, de
     ours = generate(ShardChain(folder), prompt, 16, Sampler(), keep_logits=True)
     assert ours.tokens == reference.tokens
     assert max((ours.logits[p] - reference.logits[p]).abs().max().item() for p in ours.logits) < 1e-4
-    if RUNNER.exists():
+    if runner_built():
         stats = folder / "stats.json"
         ids = ",".join(map(str, prompt))
         result = subprocess.run(

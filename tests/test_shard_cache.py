@@ -120,6 +120,7 @@ def test_two_exports_at_once_leave_a_sound_cache(workdir, small_checkpoint):
 
 def keys_for(loaded, placements: list[str], calibration: dict | None = None) -> dict[int, str]:
     from composite.config import build_config
+    from composite.lowering.jobs import shard_works
     from composite.shard_cache import export_keys
     from composite.split.plan import plan_shards
 
@@ -127,7 +128,7 @@ def keys_for(loaded, placements: list[str], calibration: dict | None = None) -> 
     values.update(prefill_len=PREFILL_LEN, qnn={"precision": "16a4w", "calibration": calibration or {}})
     config = build_config(None, values)
     specs = plan_shards(loaded.args, len(placements))
-    return export_keys(loaded, specs, config.placements(), config, None, None)
+    return export_keys(shard_works(loaded, specs, config.placements(), config, None, None))
 
 
 def test_keys_change_with_a_weight_and_with_library_versions(monkeypatch):
@@ -184,3 +185,62 @@ def test_a_cache_size_limit_that_is_not_a_size_gets_one_line(tmp_path, limit):
     result = run_cli("composite.export", "--shards", "2", "--output", str(output), env=env)
     assert_clean_failure(result, f"COMPOSITE_CACHE_MAX_MB must be a whole number of megabytes >= 0, got '{limit}'")
     assert not output.exists() and not (tmp_path / "cache").exists()
+
+
+def qnn_works(loaded):
+    from composite.config import build_config
+    from composite.lowering.jobs import shard_works
+    from composite.split.plan import plan_shards
+
+    values = {"shards": 3, "placement": ["xnnpack", "qnn", "xnnpack"], "max_seq_len": MAX_SEQ_LEN}
+    config = build_config(None, {**values, "prefill_len": PREFILL_LEN, "qnn": {"precision": "16a4w"}})
+    return shard_works(loaded, plan_shards(loaded.args, 3), config.placements(), config, None, None)
+
+
+def test_the_key_holds_every_field_of_a_shards_work():
+    """A field of ShardWork that its key leaves out would give a stale cache hit: the wrong .pte."""
+    import dataclasses
+
+    from composite.lowering.work import NOT_IN_KEY, ShardWork
+    from composite.model.default import load_default
+
+    loaded = load_default()
+    work = qnn_works(loaded)[1]
+    assert work.calls is not None
+    fields = {f.name for f in dataclasses.fields(ShardWork)}
+    assert set(work.key_parts(loaded.weights.digests)) == fields - set(NOT_IN_KEY)
+
+
+def test_each_field_of_a_shards_work_changes_its_key():
+    import dataclasses
+
+    from composite.config import Placement
+    from composite.model.default import load_default
+    from composite.model.weights import TensorWeights
+    from composite.shard_cache import export_keys
+
+    loaded = load_default()
+    work = qnn_works(loaded)[1]
+    changed_table = dict(loaded.weights.tensors)
+    changed_table["tok_embeddings.weight"] = changed_table["tok_embeddings.weight"] + 1e-3  # before the shard
+    changed_layer = dict(loaded.weights.tensors)
+    name = f"layers.{work.spec.layer_start}.attention.wq.weight"
+    changed_layer[name] = changed_layer[name] + 1e-3  # the shard's own
+    others = {
+        "spec": dataclasses.replace(work.spec, has_head=True),
+        "placement": Placement("qnn", {**work.placement.options, "precision": "16a8w"}),
+        "args": dataclasses.replace(work.args, norm_eps=work.args.norm_eps * 2),
+        "weights": TensorWeights(changed_layer),
+        "rotation": "hadamard",
+        "max_seq_len": work.max_seq_len + 1,
+        "prefill_len": work.prefill_len + 1,
+        "embedding_quantize": (4, 32),
+        "head_shard": work.head_shard + 1,
+        "calls": work.calls[:-1],
+        "stream": TensorWeights(changed_table),  # the float model before the shard decides it
+    }
+    base = export_keys([work])[1]
+    for field, value in others.items():
+        changed = dataclasses.replace(work, **({"weights": value} if field == "stream" else {field: value}))
+        assert export_keys([changed])[1] != base, field
+    assert export_keys([dataclasses.replace(work, output="elsewhere.pte")])[1] == base

@@ -63,8 +63,9 @@ def lower_each_job_alone(loaded, config) -> list[tuple[int, int, bytes]]:
 def whole_model_lowering(checkpoint: str | None, config, index: int) -> bytes:
     """What lowering shard `index` of the whole model in memory gives (the exporter before streaming):
     every weight read and rotated at once, the shard quantized as a whole."""
-    from composite.lowering import embedding, finish, lower_shard
-    from composite.manifest import DECODE, PREFILL
+    from composite.lowering import embedding, xnnpack
+    from composite.lowering.program import finish
+    from composite.manifest import method_widths
     from composite.model.checkpoint import load_checkpoint
     from composite.model.rotation import rotate
     from composite.split.plan import plan_shards
@@ -74,17 +75,14 @@ def whole_model_lowering(checkpoint: str | None, config, index: int) -> bytes:
     rotate(model, config.rotation())
     spec = plan_shards(model.args, config.shards)[index]
     module = ShardModule(model, spec).eval()
-    io = {
-        m: shard_io(model.args, spec, n, config.max_seq_len)
-        for m, n in {DECODE: 1, PREFILL: config.prefill_len}.items()
-    }
+    io = {m: shard_io(model.args, spec, n, config.max_seq_len) for m, n in method_widths(config.prefill_len).items()}
     names = {m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in io.items()}
     examples = {m: tuple(t.example() for t in inputs) for m, (inputs, _) in io.items()}
     notes = []
     if spec.has_embedding and config.embedding_bits_and_group():
         bits, group = config.embedding_bits_and_group()
         notes = embedding.quantize(module, bits, group, config.shards - 1, model.args.tie_embeddings)
-    edge, lowering_notes, _ = lower_shard(module, examples, names, config.placements()[index])
+    edge, lowering_notes, _ = xnnpack.lower_module(module, examples, names, config.placements()[index].options)
     return finish(edge, lowering_notes + notes).buffer
 
 

@@ -218,7 +218,7 @@ def test_the_heads_decode_calibration_from_prefill_rows_sees_what_decode_steps_g
     import torch
 
     from composite.lowering.calibration import calibrate
-    from composite.manifest import DECODE, PREFILL
+    from composite.manifest import DECODE, PREFILL, method_widths
     from composite.model.default import load_default
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule
@@ -229,7 +229,7 @@ def test_the_heads_decode_calibration_from_prefill_rows_sees_what_decode_steps_g
     n_layers = loaded.model.args.n_layers
     specs = plan_shards(loaded.model.args, 4, [0, n_layers - 1, 1, 0])
     modules = [ShardModule(loaded.model, spec).eval() for spec in specs]
-    methods = {DECODE: 1, PREFILL: 8}
+    methods = method_widths(8)
 
     def per_token(method, inputs):
         if method == DECODE and len(inputs) == 2:  # (hidden [1, 8, dim], arange(8)): a padded tail repeats

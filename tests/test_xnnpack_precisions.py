@@ -13,7 +13,7 @@ from torch import nn
 from composite.config import DEFAULT_OPTIONS
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import half_form, quantize_linears, xnnpack_form
-from composite.manifest import DECODE, PREFILL
+from composite.manifest import DECODE, PREFILL, method_widths
 from composite.model.default import corpus_text, load_default
 from composite.model.rotation import rotate
 from composite.runtime.chain import ShardChain, eager_chain
@@ -21,7 +21,7 @@ from composite.runtime.generate import generate
 from composite.runtime.sampler import Sampler
 from composite.split.plan import plan_shards
 from composite.split.shard import ShardModule
-from conftest import MAX_SEQ_LEN, PREFILL_LEN, RUNNER, assert_clean_failure, export, run_cli
+from conftest import MAX_SEQ_LEN, PREFILL_LEN, RUNNER, assert_clean_failure, export, run_cli, runner_built
 
 PROMPT = list(range(1, 20))
 NEW_TOKENS = 16
@@ -58,7 +58,7 @@ def eager_generation(shards: int, precision: str, rotation: str = "none", embedd
             form, _ = quantize_linears(xnnpack_form(shard, "kernel"), options)
             form.spec = spec
         modules.append(form)
-    chain = eager_chain(model, modules, {DECODE: 1, PREFILL: PREFILL_LEN}, MAX_SEQ_LEN)
+    chain = eager_chain(model, modules, method_widths(PREFILL_LEN), MAX_SEQ_LEN)
     return generate(chain, PROMPT, NEW_TOKENS, Sampler(), keep_logits=True)
 
 
@@ -113,7 +113,7 @@ def test_fp16_shards_take_and_give_float16(fp16_export, default_exports):
 def test_fp16_greedy_tokens_are_the_fp16_models(fp16_export):
     expected = eager_tokens(3, "fp16")
     assert generate(ShardChain(fp16_export), PROMPT, NEW_TOKENS, Sampler()).tokens == expected
-    if RUNNER.exists():
+    if runner_built():
         stats = runner_tokens(fp16_export)
         assert stats["tokens"] == expected
         args = load_default().model.args
@@ -142,7 +142,7 @@ def test_an_fp16_export_with_a_quantized_embedding_looks_it_up_in_float16(workdi
     float_table = generate(ShardChain(fp16_export), PROMPT, 1, Sampler(), keep_logits=True).logits[last]
     assert (ours.logits[last] - eager).abs().max() < 0.02
     assert (float_table - eager).abs().max() > 0.05
-    if RUNNER.exists():
+    if runner_built():
         assert runner_tokens(folder)["tokens"] == ours.tokens
 
 
@@ -159,7 +159,7 @@ def test_8da8w_shards_are_int8_and_give_the_quantized_models_tokens(int8_export,
     assert manifest["source"]["rotation"] == "hadamard-ffn"
     expected = eager_tokens(3, "8da8w", rotation="hadamard-ffn")
     assert generate(ShardChain(int8_export), PROMPT, NEW_TOKENS, Sampler()).tokens == expected
-    if RUNNER.exists():
+    if runner_built():
         assert runner_tokens(int8_export)["tokens"] == expected
 
 

@@ -34,7 +34,15 @@ from composite import qnn_host
 from composite.errors import UserError, exits_cleanly
 from composite.eval import kld_base
 from composite.eval.metrics import Reference, Scores
-from composite.eval.scoring import SCORE_MODES, EagerModel, ExportModel, chunks, eval_tokens, first_scored
+from composite.eval.scoring import (
+    SCORE_MODES,
+    EagerModel,
+    ExportModel,
+    chunks,
+    eval_tokens,
+    first_scored,
+    read_text,
+)
 from composite.lowering.calibration import sqnr_db
 from composite.runtime.chain import ShardChain
 from composite.runtime.encoding import Encoding, convert
@@ -60,18 +68,6 @@ def parse_args(argv):
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
-
-
-def read_text(path: str) -> str:
-    """The file's text as it is (no newline translation: composite_runner reads the bytes)."""
-    try:
-        return Path(path).read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise UserError(f"text {path} does not exist") from None
-    except UnicodeDecodeError:
-        raise UserError(f"text {path} is not UTF-8") from None
-    except OSError as e:
-        raise UserError(f"cannot read text {path}: {e.strerror}") from None
 
 
 def same_model(manifest: dict, other: dict, where: str) -> None:

@@ -14,6 +14,7 @@ runner_cpp/eval.cpp cuts and scores the same way.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,18 @@ from composite.errors import UserError
 from composite.manifest import DECODE
 
 SCORE_MODES = ("all", "second-half")
+
+
+def read_text(path: str) -> str:
+    """The file's text as it is (no newline translation: composite_runner reads the bytes)."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"text {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise UserError(f"text {path} is not UTF-8") from None
+    except OSError as e:
+        raise UserError(f"cannot read text {path}: {e.strerror}") from None
 
 
 def eval_tokens(tokenizer, text: str, limit: int | None) -> list[int]:

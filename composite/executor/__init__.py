@@ -2,7 +2,8 @@
 
 A job is a module-level function and its arguments; an argument may be `Result(name)`, the result
 of another job, which the executor hands over (locally: a forked child sees it in memory; on a
-cluster: through the object store). Jobs come in the order they should start when several could;
+cluster: through the object store). An argument with a `for_remote()` method is sent to a process
+on another machine as what that method gives (it detaches itself from this machine's files). Jobs come in the order they should start when several could;
 each says how much memory it is expected to hold (`memory`, bytes), so an executor starts only
 what fits. The local executor (local.py) runs them in forked processes on this machine, the Ray
 executor (ray_cluster.py) on a Ray cluster; both call back with each result as it arrives, so the

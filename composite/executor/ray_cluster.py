@@ -91,9 +91,8 @@ def check_answers(address: str) -> None:
 
 def import_ray():
     # Tensors put in the object store are read back as views of it rather than copies (Ray's own
-    # switch, read when Ray is imported). Measured on 0.8 GB of tensors (tune's at SmolLM2): put in
-    # 0.4 s instead of 1.4 s, a worker's first read 1.5 s instead of 2.7 s, later reads 0.005 s
-    # instead of 1-6 s. A job must therefore not write into the tensors it is given.
+    # switch, read when Ray is imported; what it saves: docs/cluster.md, Results). A job must
+    # therefore not write into the tensors it is given.
     os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
     try:
         import ray
@@ -222,15 +221,10 @@ def _in_child(fn, *args):
 
 
 def portable(arg):
-    """A job argument as a worker without this machine's files takes it."""
-    from composite.lowering.task import ShardWork
-    from composite.model.loaded import part_names
-
-    if isinstance(arg, ShardWork):
-        spec = arg.spec
-        names = part_names(arg.args, spec.has_embedding, spec.layers, spec.has_head)
-        return dataclasses.replace(arg, weights=arg.weights.detached(names), output=None)
-    return arg
+    """A job argument as a worker without this machine's files takes it: what its for_remote()
+    gives, where it has one (a shard's work: its own part of the checkpoint, in memory)."""
+    for_remote = getattr(arg, "for_remote", None)
+    return for_remote() if callable(for_remote) else arg
 
 
 def drive(address: str, jobs: list[Job], window: int, report) -> None:

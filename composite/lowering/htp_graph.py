@@ -5,8 +5,8 @@ Same weights, same function, different graph:
   matmul against the group's keys, their rows stacked (position-major, by a reshape), so HTP sees
   2-D matmuls and no 4-D transposes of [B, heads, T, hd] tensors (ExecuTorch's own MHA→SHA pass
   does not apply to this model and crashes the x86 simulator when it does). One head per matmul
-  gave the same function in twice the nodes at the Llama 3.2 3B shape (24 query heads, 8 KV:
-  654 against 314 in a layer's attention), and lowering time and memory follow the node count;
+  is the same function in more nodes, and lowering time and memory follow the node count
+  (docs/scale.md, Results);
 - RMSNorm as one `rms_norm` op, which QNN runs as a single RmsNorm node: a quantized graph then
   never materialises x², whose range is what breaks 16-bit fixed point;
 - in quantized graphs, the additive mask clamped to [-255, 0] before it meets the scores (see

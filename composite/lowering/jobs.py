@@ -9,12 +9,14 @@ QNN shards calibrated with different settings (calibration text, samples) get a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from composite.executor import Job, Result
 from composite.lowering.calibration import calibration_calls, effective_options
-from composite.lowering.task import ShardWork, float_task, lower_task
-from composite.manifest import DECODE, PREFILL
+from composite.lowering.task import float_task, lower_task
+from composite.lowering.work import ShardWork
+from composite.manifest import method_widths
 
 MB = 1 << 20
 # A worker process before it reads any weights: torch, ExecuTorch and the backends imported (a
@@ -35,16 +37,12 @@ def part_bytes(args, spec) -> int:
 
 
 def expected_bytes(work: ShardWork, lowering: bool) -> int:
-    """A task's expected peak: its float weights, and for a lowering the copies lowering makes.
-    Measured (the job's summed PSS above the process, per float32 byte of its weights): an XNNPACK
-    8da4w shard of 6 layers of the Llama-3.2-1B shape, 1.4x. A quantized QNN shard holds more than
-    its weights: calibration's observed graphs (the float weights), then, once they are gone, the
-    methods' edge programs and the HTP compile's copies (its peak), 16a4w, weight-shared, context
-    1024, 2026-12-05: a 3B-shaped shard of 2 layers 2.65 GB (2.54x above the process); the 3B
-    hybrid's 7-layer shards 7.96-8.07 GB, where 2.6x expects 7.9. Since the weights wait on disk
-    while QNN compiles (qnn.lean_preprocess) and node provenance is shared (program.provenance_shared)
-    they peak at 6.96-7.09 GB (2026-12-06): the factor is kept, 12% high, as it only decides which
-    jobs run together (one within 8 GB, two within 16, either way)."""
+    """A task's expected peak: the worker process, and a factor of the shard's float32 weights for
+    what the task holds beside it (its weights; a lowering's copies of them; a quantized QNN
+    shard's observed graphs, edge programs and HTP compile). The factors are set at or above the
+    peaks measured per kind of job (docs/scale.md, "The export's memory estimate"): the estimate
+    decides which jobs run side by side within --max-memory and which shard is refused up front,
+    so it errs high."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2
@@ -55,40 +53,57 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     return PROCESS_BYTES + int(weights * factor)
 
 
-def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing: list[int], write_to=None) -> list[Job]:
-    """Jobs that lower the shards in `missing` (indices), with the float chains their QNN shards
-    need. write_to: a folder the jobs write their .pte files into (where they share this disk),
-    named as shard_file() names them; None: the files' bytes come back with the results."""
-    methods = {DECODE: 1, PREFILL: config.prefill_len}
+def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[ShardWork]:
+    """One ShardWork per shard: everything that decides its bytes. A QNN shard's carries its
+    calibration run (the calls of its calibration settings; QNN shards with the same settings share
+    one run, and one float chain)."""
+    methods = method_widths(config.prefill_len)
+    calls_by_settings: dict[str, list] = {}
+    works = []
+    for spec, placement in zip(specs, placements):
+        calls = None
+        if placement.backend == "qnn":
+            settings = json.dumps(effective_options(placements, spec.index), sort_keys=True)
+            if settings not in calls_by_settings:
+                calls_by_settings[settings] = calibration_calls(
+                    json.loads(settings), tokenizer, loaded.args.vocab_size, methods, config.max_seq_len, bos_id
+                )
+            calls = calls_by_settings[settings]
+        works.append(
+            ShardWork(
+                spec,
+                placement,
+                loaded.args,
+                loaded.weights,
+                config.rotation(),
+                config.max_seq_len,
+                config.prefill_len,
+                config.embedding_bits_and_group() if spec.has_embedding else None,
+                specs[-1].index,
+                calls,
+            )
+        )
+    return works
+
+
+def lowering_jobs(works: list[ShardWork], missing: list[int], write_to=None) -> list[Job]:
+    """Jobs that lower the shards in `missing` (indices into `works`), with the float chains their
+    QNN shards need. write_to: a folder the jobs write their .pte files into (where they share
+    this disk), named as shard_file() names them; None: the files' bytes come back with the results."""
     # Local jobs run in processes forked from this one: ExecuTorch loaded here once, not in each of
-    # them (2.6 s apiece). Not on import: the CLIs answer bad flags without it.
+    # them. Not on import: the CLIs answer bad flags without it.
     import executorch.runtime  # noqa: F401
 
-    def work(index: int, **extra) -> ShardWork:
-        return ShardWork(
-            specs[index],
-            placements[index],
-            loaded.args,
-            loaded.weights,
-            config.rotation(),
-            config.max_seq_len,
-            config.prefill_len,
-            config.embedding_bits_and_group(),
-            specs[-1].index,
-            **extra,
-        )
-
     def output(index: int) -> str | None:
-        return None if write_to is None else str(write_to / shard_file(specs[index]))
+        return None if write_to is None else str(write_to / shard_file(works[index].spec))
 
-    chains: dict[str, list[int]] = {}
+    chains: dict[int, list[int]] = {}  # id of a calibration run -> the missing QNN shards it calibrates
     for index in missing:
-        if placements[index].backend == "qnn":
-            chains.setdefault(json.dumps(effective_options(placements, index), sort_keys=True), []).append(index)
+        if works[index].placement.backend == "qnn":
+            chains.setdefault(id(works[index].calls), []).append(index)
     float_jobs, qnn_jobs, other_jobs = [], [], []
-    for number, (key, indices) in enumerate(chains.items()):
-        options = json.loads(key)
-        calls = calibration_calls(options, tokenizer, loaded.args.vocab_size, methods, config.max_seq_len, bos_id)
+    for number, indices in enumerate(chains.values()):
+        calls = works[indices[0]].calls
         chain = f" (calibration {number + 1})" if len(chains) > 1 else ""
 
         def stream(index: int, chain: str = chain) -> tuple:
@@ -96,20 +111,20 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
             return (Result(f"float shard {index}{chain}"),) if index >= 0 else (None,)
 
         # A quantized QNN shard's hidden output gets the range of the float chain's output of it.
-        ranged = [i for i in indices if placements[i].quantized_qnn and not specs[i].has_head]
+        ranged = [i for i in indices if works[i].placement.quantized_qnn and not works[i].spec.has_head]
         for index in range(max([max(indices) - 1, *ranged]) + 1):
-            shard_work = work(index, calls=calls)
+            float_work = dataclasses.replace(works[index], calls=calls)
             float_jobs.append(
                 Job(
                     f"float shard {index}{chain}",
                     float_task,
-                    (shard_work, *(stream(index - 1) if index else ())),
-                    expected_bytes(shard_work, lowering=False),
+                    (float_work, *(stream(index - 1) if index else ())),
+                    expected_bytes(float_work, lowering=False),
                     f"the float pass of shard {index}",
                 )
             )
         for index in indices:
-            shard_work = work(index, calls=calls, output=output(index))
+            shard_work = dataclasses.replace(works[index], output=output(index))
             after = stream(index) if index in ranged else (None,)
             qnn_jobs.append(
                 Job(
@@ -121,8 +136,8 @@ def lowering_jobs(loaded, specs, placements, config, tokenizer, bos_id, missing:
                 )
             )
     for index in missing:
-        if placements[index].backend != "qnn":
-            shard_work = work(index, output=output(index))
+        if works[index].placement.backend != "qnn":
+            shard_work = dataclasses.replace(works[index], output=output(index))
             other_jobs.append(
                 Job(
                     f"lower shard {index}",

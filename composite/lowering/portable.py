@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from executorch.exir import to_edge_transform_and_lower
+from composite.lowering.program import Lowered, export_methods, finish, timed
+from composite.lowering.work import ShardWork, load_shard
 
-from composite.lowering.program import export_methods
 
+def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
+    """The shard read (its embedding table quantized as work says) and lowered; every tensor it
+    takes and gives is float32."""
+    from executorch.exir import to_edge_transform_and_lower
 
-def lower(module, example_inputs: dict, names: dict, options: dict):
-    """-> (EdgeProgramManager, notes, encodings of non-float32 I/O: none, every tensor is float32)."""
-    return to_edge_transform_and_lower(export_methods(module, example_inputs)), [], {}
+    notes: list[str] = []
+    with timed(stages, "read+quantize"):
+        module = load_shard(work, notes=notes)
+    with timed(stages, "lower"):
+        edge = to_edge_transform_and_lower(export_methods(module, work.examples()))
+        del module
+    with timed(stages, "serialize"):
+        shard = finish(edge, notes)
+    return Lowered(shard, {})

@@ -3,8 +3,10 @@ every backend shares (composite.lowering dispatches to the backends)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +21,25 @@ class LoweredShard:
     @property
     def backends(self) -> list[str]:
         return sorted({backend for per_method in self.delegates.values() for backend in per_method})
+
+
+@dataclass
+class Lowered:
+    """What a backend's lower(work, stages) gives back."""
+
+    shard: LoweredShard
+    encodings: dict  # method -> ("in" | "out", name) -> Encoding of the I/O that is not float32
+    facts: dict = field(default_factory=dict)  # more for the manifest entry (QNN: spill-fill, SQNR, ...)
+
+
+@contextmanager
+def timed(stages: dict[str, float], name: str) -> Iterator[None]:
+    """stages[name] = the seconds the block took."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        stages[name] = time.perf_counter() - started
 
 
 def inspect_program(manager) -> tuple[dict, dict]:
@@ -39,27 +60,6 @@ def inspect_program(manager) -> tuple[dict, dict]:
         delegates[plan.name] = counts
         cpu_ops[plan.name] = sorted(ops)
     return delegates, cpu_ops
-
-
-@contextmanager
-def provenance_shared():
-    """Node provenance passed on by reference. Every graph pass gives each node it makes a
-    NodeSource that deep-copies the whole chain of NodeSources before it, so the copies grow with
-    the passes a graph has been through: a 7-layer 3B-shaped QNN 16a4w job's lowering took ~865 s
-    with them, ~715 s without, and peaked 0.24 GB higher. Nothing in torch or ExecuTorch
-    changes a NodeSource once made (they read the chain: debug handles, the inspector), so sharing
-    the chain keeps every node's provenance, and the program's bytes, as they are."""
-    from torch.fx.traceback import NodeSource
-
-    own = NodeSource.__dict__.get("__deepcopy__")  # None: copy.deepcopy's default, as in torch 2.13
-    NodeSource.__deepcopy__ = lambda self, memo: self
-    try:
-        yield
-    finally:
-        if own is None:
-            del NodeSource.__deepcopy__
-        else:
-            NodeSource.__deepcopy__ = own
 
 
 def executorch_config(planning: dict | None = None):

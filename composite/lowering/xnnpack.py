@@ -21,7 +21,8 @@ from torch import nn
 
 from composite.lowering import native_io
 from composite.lowering.embedding import QuantizedEmbedding
-from composite.lowering.program import export_methods
+from composite.lowering.program import Lowered, export_methods, finish, timed
+from composite.lowering.work import ShardWork, load_shard
 from composite.model.llama import Attention, FeedForward, RMSNorm, rope_cos_sin
 
 # quantize -> (torchao weight dtype, per-channel weights whatever the group size)
@@ -245,8 +246,31 @@ def quantize_by_rows(linear: torch.nn.Linear, config) -> None:
     linear.weight = torch.nn.Parameter(type(first)(*data, *attributes), requires_grad=False)
 
 
-def lower(module, example_inputs: dict, names: dict, options: dict, prequantized: bool = False):
-    """-> (EdgeProgramManager, notes, method -> ("in" | "out", name) -> Encoding of the native I/O
+def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
+    """An XNNPACK shard read and lowered. A quantized shard quantizes each unit as it is read (its
+    float weights go before the next unit's come), and the embedding table as work says."""
+    options = work.placement.options
+    quantized = options["quantize"] != "none"
+    notes: list[str] = []
+    skipped: list[str] = []
+
+    def quantize_unit(model, unit) -> None:
+        if unit != "embedding":
+            only = "output" if unit == "head" else f"layers.{unit}"
+            quantize_linears(model, options, in_place=True, only=only, skipped=skipped)
+
+    with timed(stages, "read+quantize"):
+        module = load_shard(work, quantize_unit if quantized else None, notes)
+    with timed(stages, "lower"):
+        edge, lowering_notes, encodings = lower_module(module, work.examples(), work.names(), options, quantized)
+        del module
+    with timed(stages, "serialize"):
+        shard = finish(edge, fp32_note(skipped, options) + lowering_notes + notes)
+    return Lowered(shard, encodings)
+
+
+def lower_module(module, example_inputs: dict, names: dict, options: dict, prequantized: bool = False):
+    """`module` (a shard) as XNNPACK's edge program. -> (EdgeProgramManager, notes, method -> ("in" | "out", name) -> Encoding of the native I/O
     that is not float32). names: method -> (input names, output names). prequantized: the module's
     linears are already quantized as options say (a copy is quantized otherwise).
 

@@ -44,8 +44,9 @@ from composite.eval.scoring import SCORE_MODES
 from composite.executor.fork import ForkedCall
 from composite.executor.ray_cluster import from_ray_flag
 from composite.tune.candidates import DEFAULT_CANDIDATES, DEFAULT_EMBEDDING, parse_candidates
+from composite.tune.output import kld_text
 from composite.tune.search import thinned
-from composite.tune.steps import kld_text, tune
+from composite.tune.steps import tune
 
 MB = 1e6
 FRONTIER_ROWS = 16  # the printed frontier; the PNG and --json hold all of it
@@ -196,7 +197,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     check_args(args)
     signal.signal(signal.SIGTERM, lambda signum, _frame: terminated(signum, cached=not args.no_cache))
-    if any(c.backend == "qnn" and c.precision != "fp16" for c in parse_candidates(args.candidates)):
+    if any(c.quantized_qnn for c in parse_candidates(args.candidates)):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     executor = from_ray_flag(args.ray)
     with quiet.filtered_native_stderr(args.verbose):

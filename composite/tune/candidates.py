@@ -52,6 +52,11 @@ class Candidate:
         return self.backend == "xnnpack" and self.precision == "fp32"
 
     @property
+    def quantized_qnn(self) -> bool:
+        """A QNN candidate with fixed-point activations (calibrated), as Placement.quantized_qnn."""
+        return self.backend == "qnn" and self.precision != "fp16"
+
+    @property
     def weight_bits(self) -> int | None:
         """4 or 8 as the export's rotate auto counts them (16a16w with the 8-bit ones); None: float."""
         if self.is_float or self.precision == "fp16":
@@ -191,3 +196,11 @@ def group_bytes(group: Group, choice, args: ModelArgs, group_size: int, rotation
             per_layer += sum(linear_bytes(n, n, choice, 0) for n in sizes)
     stored = per_layer * (group.layer_end - group.layer_start)
     return stored, stored
+
+
+def choice_name(choice) -> str:
+    return choice.name if isinstance(choice, Candidate) else f"embedding {choice}"
+
+
+def choices_for(group: Group, candidates: list[Candidate], embedding: list[str]) -> list:
+    return embedding if group.kind == "embedding" else candidates

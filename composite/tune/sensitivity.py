@@ -39,7 +39,7 @@ from composite.lowering.calibration import calibrate
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.htp_graph import htp_form
 from composite.lowering.xnnpack import quantize_linears
-from composite.manifest import DECODE, MASK_HIDDEN, PREFILL
+from composite.manifest import DECODE, MASK_HIDDEN, PREFILL, method_widths
 from composite.model.llama import cache_shapes, rope_cos_sin
 from composite.runtime.kv_cache import AttentionMask, KVCache
 from composite.split.plan import plan_shards
@@ -73,7 +73,7 @@ class Head(nn.Module):
 def fake_quant(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int) -> torch.Tensor:
     """quantize_per_tensor then dequantize_per_tensor (torch.ao's quantized_decomposed ops), the
     same float32 arithmetic to the bit, in one new tensor and three in-place passes over it
-    (~15x faster than ATen's fake_quantize_per_tensor_affine, which also builds a gradient mask)."""
+    (faster than ATen's fake_quantize_per_tensor_affine, which also builds a gradient mask)."""
     y = torch.mul(x, 1.0 / scale)
     y.round_()
     y.clamp_(quant_min - zero_point, quant_max - zero_point)  # = clamp(q + zp, min, max) - zp: integers
@@ -271,7 +271,7 @@ class Sensitivity:
     def form(self, group: Group, choice):
         key = (group.index, choice if isinstance(choice, str) else choice.name)
         if key not in self.forms:
-            if isinstance(choice, Candidate) and choice.backend == "qnn" and choice.precision != "fp16":
+            if isinstance(choice, Candidate) and choice.quantized_qnn:
                 self.prepare_qnn([(group, choice)])
             else:
                 self.forms[key] = self._build(group, choice)
@@ -352,7 +352,7 @@ class Sensitivity:
             return observe
 
         traces.clear()
-        methods = {DECODE: 1, PREFILL: self.prefill_len}
+        methods = method_widths(self.prefill_len)
         consumers = {index: consumer(index) for index in jobs}
         calibrate(
             self.model,
