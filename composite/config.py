@@ -22,7 +22,9 @@ YAML keys (all optional):
   qnn: {soc, precision, ...}      defaults for QNN shards (weight_sharing: true by default; the
                                   x86 simulator needs false, as --no-weight-sharing sets;
                                   max_context_mb: a QNN shard's HTP budget, default 1024:
-                                  lowering/htp_limits.py)
+                                  lowering/htp_limits.py; precision 16a4w_block: 4-bit weights
+                                  in blocks of block_size input channels, 16, 32 (default) or
+                                  64, rounded as rounding says, gptq (default) or nearest)
   embedding_quantize              "none" (default), "8,0" (8-bit, a scale per row) or "4,32"
                                   (4-bit, a scale per 32 columns): BITS,GROUP as ExecuTorch's
                                   export_llama --embedding-quantize spells it
@@ -30,10 +32,11 @@ YAML keys (all optional):
                                   stream rotated by a randomized Hadamard matrix folded into the
                                   weights (composite/model/rotation.py); the same model in float,
                                   easier to quantize. hadamard-ffn also rotates each feed-forward's
-                                  hidden activation at run time (two small float matmuls a layer).
-                                  auto: when some shard has 8-bit (or QNN 16-bit) weights and none
-                                  4-bit ones (8da4w, 16a4w), hadamard-ffn if those shards are all
-                                  XNNPACK ones, else hadamard; none otherwise
+                                  hidden activation at run time (two small matmuls a layer).
+                                  auto: none where some weights are 8da4w or 16a4w; hadamard-ffn
+                                  where some are 16a4w_block, or all are 8-bit (QNN 16-bit too)
+                                  and on XNNPACK; hadamard where all are 8-bit and some on QNN;
+                                  none where nothing is quantized (auto_rotation)
   max_memory_gb                   what the export's lowering jobs may hold at once (default: 90% of
                                   the memory available when it starts); jobs run side by side only
                                   within it, and a shard expected to need more is refused up front
@@ -57,8 +60,19 @@ XNNPACK_DTYPES = ("fp32", "fp16")
 XNNPACK_ATTENTION = ("graph", "kernel")
 XNNPACK_HEAD_QUANTIZE = ("8da8w", "same", "none")
 XNNPACK_WEIGHT_MAPPING = ("symmetric_no_clipping_err", "symmetric")
-QNN_SOCS = ("SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
-QNN_PRECISIONS = ("fp16", "16a4w", "16a8w", "8a8w", "16a16w")
+# Each SoC's HTP architecture (ExecuTorch 1.5.1, backends/qualcomm/utils/utils.py:
+# get_soc_to_htp_arch_map) and the oldest architecture each precision compiles for, as ExecuTorch's
+# QNN quantizer checks it (quantizer/annotators/htp_rules.py: validate_lpbq_support, V69;
+# validate_16a16w_support, V73): an older HTP is refused before any work.
+QNN_SOC_ARCH = {"SM8350": 68, "SM8450": 69, "SM8475": 69, "SM8550": 73, "SM8650": 75, "SM8750": 79, "SM8850": 81}
+QNN_SOCS = tuple(QNN_SOC_ARCH)
+QNN_PRECISIONS = ("fp16", "16a4w", "16a4w_block", "16a8w", "8a8w", "16a16w")
+QNN_PRECISION_MIN_ARCH = {"16a4w_block": 69, "16a16w": 73}
+QNN_BLOCK_SIZES = (16, 32, 64)
+QNN_ROUNDINGS = (
+    "nearest",
+    "gptq",
+)  # of 4-bit weights onto their grid  # input channels per block of 16a4w_block (LPBQ) weights
 ROTATIONS = ("none", "hadamard", "hadamard-ffn")  # composite/model/rotation.py
 
 TOP_LEVEL_KEYS = (
@@ -91,6 +105,8 @@ BACKEND_OPTION_KEYS = {
         "skip_ops",
         "skip_node_ids",
         "max_context_mb",
+        "block_size",
+        "rounding",
     ),
 }
 DEFAULT_OPTIONS = {
@@ -114,7 +130,18 @@ DEFAULT_OPTIONS = {
     # turn it off (`--no-weight-sharing`), which leaves everything else identical.
     # native_io: the shard takes and gives its hidden state and KV cache in its own activation dtype
     # (float16 for fp16, uint16 for 16-bit activations, uint8 for 8-bit); false keeps float32 I/O.
-    "qnn": {"soc": "SM8650", "precision": "fp16", "weight_sharing": True, "native_io": True},
+    # block_size: 16a4w_block's input channels per block of 4-bit weights (ExecuTorch's Qualcomm
+    # llama and QNN's LPBQ use 32).
+    # rounding: how 16a4w_block's weights are rounded onto their grid: gptq (by the layer's
+    # calibration inputs; composite/lowering/weight_rounding.py) or nearest.
+    "qnn": {
+        "soc": "SM8650",
+        "precision": "fp16",
+        "weight_sharing": True,
+        "native_io": True,
+        "block_size": 32,
+        "rounding": "gptq",
+    },
 }
 
 
@@ -156,25 +183,18 @@ class ExportConfig:
     output: str = "artifacts"
 
     def rotation(self) -> str:
-        """The rotation (one of ROTATIONS) with auto resolved: a rotation when some shard quantizes
-        weights to 8 bits (or QNN's 16) and none to 4; hadamard-ffn when those shards are all
-        XNNPACK ones, else hadamard. The rule follows what the rotations do to each recipe's KL
-        divergence as measured (docs/quality.md, Results); 4-bit recipes are left unrotated."""
+        """The rotation (one of ROTATIONS) with auto resolved by auto_rotation, from the quantized
+        weights of every shard."""
         if self.rotate != "auto":
             return self.rotate
-        weight_bits, quantized_backends = set(), set()
+        quantized = []
         for placement in self.placements():
             options = placement.options
             if placement.backend == "xnnpack" and options["quantize"] != "none":
-                weight_bits.add(4 if options["quantize"] == "8da4w" else 8)
-                quantized_backends.add("xnnpack")
+                quantized.append(("xnnpack", options["quantize"]))
             elif placement.quantized_qnn:
-                for precision in (options["precision"], *(options.get("overrides") or {}).values()):
-                    weight_bits.add(4 if precision.endswith("4w") else 8)
-                quantized_backends.add("qnn")
-        if weight_bits != {8}:
-            return "none"
-        return "hadamard-ffn" if quantized_backends == {"xnnpack"} else "hadamard"
+                quantized += [("qnn", p) for p in (options["precision"], *(options.get("overrides") or {}).values())]
+        return auto_rotation(quantized)
 
     def embedding_bits_and_group(self) -> tuple[int, int] | None:
         """(bits, group size; 0 = one scale per row) of the quantized embedding, or None."""
@@ -240,6 +260,20 @@ class ExportConfig:
         return Placement(backend, options)
 
 
+def auto_rotation(quantized: list[tuple[str, str]]) -> str:
+    """The rotation `rotate: auto` gives a recipe whose quantized weights are `quantized`
+    ((backend, precision) pairs), as the rotations' KL divergence was measured (docs/quality.md,
+    Results): none where some weights are 4-bit in groups or per channel (8da4w, 16a4w: SmolLM2's
+    weights sit on a 4-bit grid of the unrotated basis); hadamard-ffn where QNN's block-wise 4-bit
+    (16a4w_block) is among them, or where every quantized weight is 8-bit (QNN's 16 too) and
+    XNNPACK's; hadamard where they are 8-bit and some are QNN's; none where nothing is quantized."""
+    if not quantized or any(p in ("8da4w", "16a4w") for _, p in quantized):
+        return "none"
+    if any(p == "16a4w_block" for _, p in quantized) or all(b == "xnnpack" for b, _ in quantized):
+        return "hadamard-ffn"
+    return "hadamard"
+
+
 def _suggest(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -290,6 +324,7 @@ def _check_backend_options(backend: str, options: dict, where: str) -> None:
             if not isinstance(options[key], bool):
                 raise UserError(f"{where}: qnn {key} must be true or false, got {options[key]!r}")
         _check_qnn_details(options, where)
+        _check_qnn_arch(options, where)
 
 
 def _check_qnn_details(options: dict, where: str) -> None:
@@ -312,6 +347,13 @@ def _check_qnn_details(options: dict, where: str) -> None:
         _positive_int(calibration["samples"], f"{where}: calibration samples")
     if "prompts" in calibration and (not isinstance(calibration["prompts"], list) or not calibration["prompts"]):
         raise UserError(f"{where}: calibration prompts must be a non-empty list of strings")
+    if options["rounding"] not in QNN_ROUNDINGS:
+        raise UserError(f"{where}: qnn rounding must be one of {', '.join(QNN_ROUNDINGS)}, got {options['rounding']!r}")
+    if options["block_size"] not in QNN_BLOCK_SIZES:
+        raise UserError(
+            f"{where}: qnn block_size must be one of {', '.join(map(str, QNN_BLOCK_SIZES))} input channels, "
+            f"got {options['block_size']!r}"
+        )
     budget = options.get("max_context_mb", 1024)
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
         raise UserError(f"{where}: qnn max_context_mb must be a positive number of megabytes, got {budget!r}")
@@ -319,6 +361,18 @@ def _check_qnn_details(options: dict, where: str) -> None:
         value = options.get(key) or []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise UserError(f"{where}: {key} must be a list of names, e.g. [aten.linear.default]")
+
+
+def _check_qnn_arch(options: dict, where: str) -> None:
+    """Every precision the shard uses (its own, its overrides') compiles for its SoC's HTP."""
+    soc = options["soc"]
+    for precision in (options["precision"], *(options.get("overrides") or {}).values()):
+        needed = QNN_PRECISION_MIN_ARCH.get(precision)
+        if needed is not None and QNN_SOC_ARCH[soc] < needed:
+            raise UserError(
+                f"{where}: qnn precision {precision} needs an HTP of v{needed} or newer; {soc}'s is "
+                f"v{QNN_SOC_ARCH[soc]} (use 16a4w or 16a8w there, or another SoC)"
+            )
 
 
 def _positive_int(value, name: str, minimum: int = 1) -> int:

@@ -25,15 +25,20 @@ from conftest import QUANTIZED_PLACEMENT, RUNNER, one_error_line, qnn_quantized_
 # calibration samples per method. A QNN shard is calibrated and measured on the float model's output
 # of the shards before it, whatever runs them: the tests export shards 3 and 4 on QNN
 # (conftest.QUANTIZED_PLACEMENT) and hold their default quantized I/O within 3 dB of these.
+# 16a4w_block (blocks of 32, GPTQ rounding): shards 3 and 4 of that placement, 2026-12-06.
 MEASURED_FLOAT_IO_SQNR = {
     "16a4w": {1: (38.6, 32.5), 2: (36.9, 33.5), 3: (38.7, 32.6), 4: (36.3, 32.6)},
+    "16a4w_block": {3: (42.0, 34.7), 4: (41.2, 34.1)},
     "8a8w": {1: (29.7, 28.0), 2: (31.0, 28.9), 3: (31.9, 29.2), 4: (32.8, 29.5)},
 }
-# Each quantized precision's export costs ~5 min of CI: CI runs 16a4w, COMPOSITE_TEST_ALL_QNN=1 adds 8a8w.
-# (conftest.qnn_quantized_cli: 8 calibration samples per method, not rotated.)
-QUANTIZED = ("16a4w", "8a8w") if os.environ.get("COMPOSITE_TEST_ALL_QNN") == "1" else ("16a4w",)
+# Each quantized precision's export costs a few minutes of CI: CI runs the 4-bit ones,
+# COMPOSITE_TEST_ALL_QNN=1 adds 8a8w. (conftest.qnn_quantized_cli: 8 calibration samples per
+# method, not rotated.)
+QUANTIZED = (
+    ("16a4w", "16a4w_block", "8a8w") if os.environ.get("COMPOSITE_TEST_ALL_QNN") == "1" else ("16a4w", "16a4w_block")
+)
 FLOAT_IO_SQNR = {precision: MEASURED_FLOAT_IO_SQNR[precision] for precision in QUANTIZED}
-NATIVE_IO_DTYPE = {"fp16": "float16", "16a4w": "uint16", "8a8w": "uint8"}
+NATIVE_IO_DTYPE = {"fp16": "float16", "16a4w": "uint16", "16a4w_block": "uint16", "8a8w": "uint8"}
 IO_DTYPE = {p: NATIVE_IO_DTYPE[p] for p in ("fp16", *QUANTIZED)}  # native I/O per precision
 NATIVE_PRECISIONS = sorted(IO_DTYPE)
 
@@ -140,7 +145,7 @@ def test_native_io_runners_agree_and_hold_the_cache_in_its_width(native_export, 
     assert figures["kv_cache_bytes_per_shard"] == python["kv_cache_bytes_per_shard"]
     manifest = manifest_schema.read(folder)
     float32_layer = 4 * 2 * manifest["model"]["n_kv_heads"] * manifest["model"]["head_dim"] * manifest["max_seq_len"]
-    ratio = {"fp16": 0.5, "16a4w": 0.5, "8a8w": 0.25}[precision]
+    ratio = {"fp16": 0.5, "16a4w": 0.5, "16a4w_block": 0.5, "8a8w": 0.25}[precision]
     for shard, held in zip(manifest["shards"], figures["kv_cache_bytes_per_shard"]):
         float32 = float32_layer * (shard["layers"][1] - shard["layers"][0])
         if shard["placement"]["backend"] == "qnn":
@@ -202,12 +207,14 @@ GRAPH_BYTES_PER_METHOD_AND_LAYER = 160_000
 def test_the_htp_estimate_of_a_shards_weights_is_what_its_compiled_contexts_hold(
     precision, quantized_exports, qnn_fp16_export
 ):
-    """The estimate that cuts QNN shards to the HTP's limits (lowering/htp_limits.py) against the
-    bytes of the context binaries compiled on the simulator: never more than them, and below them by
-    at most 5% and the graphs' own bytes."""
+    """The estimate that cuts QNN shards to the HTP's limits (lowering/htp_limits.py), and the bytes
+    composite.tune counts for the shard's layers (tune/candidates.py), against the bytes of the
+    context binaries compiled on the simulator: never more than them, and below them by at most 5%
+    and the graphs' own bytes (a context of the host twin holds its weights once per method)."""
     from composite.lowering.htp_limits import estimate
     from composite.model.llama import ModelArgs
     from composite.split.plan import ShardSpec
+    from composite.tune.candidates import Candidate, Group, group_bytes
 
     folder = qnn_fp16_export if precision == "fp16" else quantized_exports[precision][0]
     manifest = manifest_schema.read(folder)
@@ -221,6 +228,9 @@ def test_the_htp_estimate_of_a_shards_weights_is_what_its_compiled_contexts_hold
         graphs = GRAPH_BYTES_PER_METHOD_AND_LAYER * len(manifest["methods"]) * max(1, len(spec.layers))
         measured = shard["htp_context_bytes"]
         assert weights <= measured <= 1.05 * weights + graphs, (shard["index"], weights, measured)
+        group = Group("layers", shard["index"], *shard["layers"])
+        tuned = len(manifest["methods"]) * group_bytes(group, Candidate("qnn", precision), args, 32)[0]
+        assert tuned <= measured <= 1.05 * tuned + graphs, (shard["index"], tuned, measured)
 
 
 def test_a_quantized_qnn_shard_lowered_twice_is_byte_identical(quantized_exports, workdir):

@@ -130,9 +130,22 @@ def test_the_hidden_rotation_spreads_a_feed_forward_outlier_and_8da8w_loses_less
         ({"placement": "qnn"}, "none"),
         ({"placement": "qnn", "qnn": {"precision": "16a8w"}}, "hadamard"),
         ({"placement": "qnn", "qnn": {"precision": "16a8w", "overrides": {"layers.0": "16a4w"}}}, "none"),
+        ({"placement": "qnn", "qnn": {"precision": "16a4w_block"}}, "hadamard-ffn"),
+        ({"placement": "qnn", "qnn": {"precision": "16a4w_block", "overrides": {"output": "16a8w"}}}, "hadamard-ffn"),
+        ({"placement": "qnn", "qnn": {"precision": "16a8w", "overrides": {"layers.0": "16a4w_block"}}}, "hadamard-ffn"),
+        (
+            {
+                "shards": 2,
+                "placement": [
+                    {"backend": "xnnpack", "quantize": "8da4w"},
+                    {"backend": "qnn", "precision": "16a4w_block"},
+                ],
+            },
+            "none",
+        ),
     ],
 )
-def test_auto_rotates_8_bit_weights_and_not_4_bit_ones(values, expected):
+def test_auto_rotates_8_bit_and_block_wise_4_bit_weights_not_other_4_bit_ones(values, expected):
     assert build_config(None, values).rotation() == expected
 
 

@@ -9,7 +9,9 @@ YAML (per QNN shard or under `qnn:`):
   calibration:
     prompts: ["...", "..."]   # or
     file: calib.txt           # a text file; default: the text shipped with the package
-    samples: 16               # prefill calls; decode calls cover as many tokens (16 x prefill_len)
+    samples: 16               # prefill calls (default 16, 128 where a shard has 16a4w_block weights)
+    decode_samples: 16        # decode calls cover as many prefill calls' tokens (16 x prefill_len;
+                              # default: samples, at most 16)
 One more input per method, from text not used for calibration, is kept to measure the shard's SQNR.
 """
 
@@ -31,6 +33,11 @@ from composite.model.llama import cache_shapes
 from composite.runtime.kv_cache import AttentionMask, KVCache
 
 DEFAULT_SAMPLES = 16
+# decode calls cover at most this many prefill calls' tokens, unless decode_samples says: a
+# decode call reads all of a shard's weights for one token, and the ranges they observe settle
+# long before more prefill tokens stop adding to GPTQ's statistics (weight_rounding.py)
+DEFAULT_DECODE_SAMPLES = 16
+BLOCK_SAMPLES = 128  # prefill calls for shards with 16a4w_block weights (more tokens for GPTQ)
 
 
 def calibration_text(options: dict) -> str:
@@ -49,12 +56,22 @@ def calibration_text(options: dict) -> str:
 def effective_options(placements: list, index: int) -> dict:
     """The calibration settings QNN shard `index` is calibrated and measured with: its own, and
     no samples where every QNN shard that shares them is fp16 (those need only the held-out input,
-    to measure SQNR). Shards with the same effective settings share one calibration run."""
+    to measure SQNR), BLOCK_SAMPLES where one of them has block-wise 4-bit weights (GPTQ rounds
+    them by the inputs' statistics) and its settings name none. Shards with the same effective
+    settings share one calibration run."""
     own = placements[index].options.get("calibration") or {}
     sharing = [p for p in placements if p.backend == "qnn" and (p.options.get("calibration") or {}) == own]
     if all(p.options["precision"] == "fp16" for p in sharing):
         return {**own, "samples": 0}
+    if "samples" not in own and any(has_block_weights(p.options) for p in sharing):
+        return {**own, "samples": BLOCK_SAMPLES}
     return dict(own)
+
+
+def has_block_weights(options: dict) -> bool:
+    """A QNN placement's options with 16a4w_block weights rounded by GPTQ (for the shard or an override)."""
+    precisions = (options["precision"], *(options.get("overrides") or {}).values())
+    return "16a4w_block" in precisions and options.get("rounding") == "gptq"
 
 
 def token_stream(options: dict, tokenizer, vocab_size: int, length: int) -> list[int]:
@@ -94,15 +111,15 @@ def calibration_calls(
     bos_id: int | None = None,
     head_decode_from_rows: bool = False,
 ) -> list[Call]:
-    """The calls of a calibration run: `samples` prefill calls and as many decode calls as that
-    covers tokens (samples x prefill width), since one decode call sees a single token. Each pass
+    """The calls of a calibration run: `samples` prefill calls and decode calls covering as many
+    tokens as `decode_samples` of them (x prefill width), since one decode call sees a single token. Each pass
     starts a sequence as the runners do, with `bos_id` when the export adds one (trained models
     put their largest activations on a sequence's first token), prefills over the first half of
     the cache, then decodes to its end, so inputs come with caches partly filled, as in real use.
     A last pass (one prefill, one decode call) is held out."""
     width = methods[PREFILL]
     prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
-    decode_calls = prefill_calls * width
+    decode_calls = int(options.get("decode_samples", min(prefill_calls, DEFAULT_DECODE_SAMPLES))) * width
     chunks_per_pass = max(1, min(prefill_calls, (max_seq_len // 2) // width))
     decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - 1)
     passes = max(-(-prefill_calls // chunks_per_pass), -(-decode_calls // decode_per_pass))

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from composite.config import QNN_SOC_ARCH
 from composite.errors import UserError
 from composite.model.llama import cache_shapes
 
 MB = 1 << 20
 PROCESS_MB = 3584
 CONTEXT_MB = 1024
-HTP_ARCH = {"SM8450": "v69", "SM8475": "v69", "SM8550": "v73", "SM8650": "v75", "SM8750": "v79", "SM8850": "v81"}
-WEIGHT_BYTES = {"fp16": 2.0, "16a16w": 2.0, "16a8w": 1.0, "8a8w": 1.0, "16a4w": 0.5}
-ACTIVATION_BYTES = {"fp16": 2, "16a16w": 2, "16a8w": 2, "8a8w": 1, "16a4w": 2}
+HTP_ARCH = {soc: f"v{arch}" for soc, arch in QNN_SOC_ARCH.items()}
+# bytes per weight; 16a4w_block adds a byte per block (QNN stores each block's 4-bit scale in 8 bits)
+WEIGHT_BYTES = {"fp16": 2.0, "16a16w": 2.0, "16a8w": 1.0, "8a8w": 1.0, "16a4w": 0.5, "16a4w_block": 0.5}
+ACTIVATION_BYTES = {"fp16": 2, "16a16w": 2, "16a8w": 2, "8a8w": 1, "16a4w": 2, "16a4w_block": 2}
 
 
 @dataclass
@@ -52,10 +54,15 @@ class HtpBytes:
         )
 
 
+def precision_bytes(precision: str, block_size: int) -> float:
+    """Bytes per weight at `precision`, its block scales included."""
+    return WEIGHT_BYTES[precision] + (1 / block_size if precision == "16a4w_block" else 0)
+
+
 def weight_bytes_per_param(options: dict) -> float:
     """The widest weights the shard's precision or any of its overrides gives (an upper bound)."""
     precisions = [options["precision"], *(options.get("overrides") or {}).values()]
-    return max(WEIGHT_BYTES[p] for p in precisions)
+    return max(precision_bytes(p, options.get("block_size", 32)) for p in precisions)
 
 
 def layer_weight_bytes(args, options: dict) -> int:

@@ -13,8 +13,9 @@ import dataclasses
 import json
 
 from composite.executor import Job, Result
-from composite.lowering.calibration import calibration_calls, effective_options
+from composite.lowering.calibration import calibration_calls, effective_options, has_block_weights
 from composite.lowering.task import float_task, lower_task
+from composite.lowering.weight_rounding import moment_bytes
 from composite.lowering.work import ShardWork
 from composite.manifest import method_widths
 
@@ -42,7 +43,8 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     shard's observed graphs, edge programs and HTP compile). The factors are set at or above the
     peaks measured per kind of job (docs/scale.md, "The export's memory estimate"): the estimate
     decides which jobs run side by side within --max-memory and which shard is refused up front,
-    so it errs high."""
+    so it errs high. A shard whose block-wise weights GPTQ rounds also holds its inputs' moments
+    while it calibrates (counted on top, though they are freed before the compile's peak)."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
         factor = 1.2
@@ -50,7 +52,10 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
         factor = 2.6
     else:
         factor = 2.0
-    return PROCESS_BYTES + int(weights * factor)
+    moments = 0
+    if lowering and work.placement.backend == "qnn" and has_block_weights(work.placement.options):
+        moments = moment_bytes(work.args, len(work.spec.layers))
+    return PROCESS_BYTES + int(weights * factor) + moments
 
 
 def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[ShardWork]:

@@ -24,8 +24,8 @@ import torch
 from composite import qnn_host
 from composite.errors import UserError
 from composite.executor.fork import ForkedCall
-from composite.lowering import native_io
-from composite.lowering.calibration import ShardReplay, sqnr_db
+from composite.lowering import native_io, weight_rounding
+from composite.lowering.calibration import ShardReplay, has_block_weights, sqnr_db
 from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
 from composite.lowering.program import Lowered, LoweredShard, finish
 from composite.lowering.qnn_pte import content_signatures, context_bytes, own_spill_fill
@@ -88,6 +88,7 @@ class QnnShardLowering:
         self.skip_ops = skipped_op_set(options)
         self.skip_ids = set(options.get("skip_node_ids") or [])
         self.calibrated = {method: 0 for method in example_inputs}
+        self.moments = None  # GPTQ's input statistics (round_weights), while calibrating
         if options["precision"] == "fp16":
             htp = htp_form(module, n_positions, linear_as_conv="aten.linear.default" not in self.skip_ops).eval()
             if self.native_io:
@@ -103,6 +104,9 @@ class QnnShardLowering:
         for method, graph in traced.items():
             with linear_time_observers():
                 self.graphs[method] = prepare_pt2e(graph, quantizer_for(options))
+        # GPTQ rounding of block-wise 4-bit weights needs their inputs' second moments: summed while calibrating
+        if has_block_weights(options):
+            self.moments = weight_rounding.watch_inputs(self.graphs)
 
     @property
     def quantized(self) -> bool:
@@ -133,6 +137,14 @@ class QnnShardLowering:
                     caches.setdefault((name.split("_")[0], name.split(".")[1]), []).append(observer)
         native_io.share_ranges(list(caches.values()))
 
+    def round_weights(self) -> None:
+        """After the last calibration input: each 4-bit weight rounded by its inputs (GPTQ), where the
+        options ask for it (weight_rounding.py); the prepared graphs then convert to those integers."""
+        if self.moments is not None:
+            weight_rounding.stop_watching(self.graphs, self.moments)
+            weight_rounding.round_weights(self.graphs, self.moments)
+            self.moments = None
+
     def observe(self, method: str, inputs):
         """One calibration input (quantized precisions only); -> the graph's outputs (the float
         shard's, as the observers leave values as they are)."""
@@ -156,16 +168,17 @@ class QnnShardLowering:
         converted: compiling is where a QNN shard needs the most memory. weights_to: a folder on
         disk where the weights wait while the shard compiles (lean_preprocess; not the twin's:
         a fork's weights are its parent's pages)."""
+        missing = [method for method, count in self.calibrated.items() if count == 0]
+        if self.quantized and missing:
+            raise UserError(
+                f"no calibration inputs reached the {', '.join(missing)} method of a "
+                f"{self.options['precision']} QNN shard"
+            )
+        self.round_weights()
         graphs, self.graphs = self.graphs, None
         if self.quantized:
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-            missing = [method for method, count in self.calibrated.items() if count == 0]
-            if missing:
-                raise UserError(
-                    f"no calibration inputs reached the {', '.join(missing)} method of a "
-                    f"{self.options['precision']} QNN shard"
-                )
             graphs = {method: without_unused_tensors(convert_pt2e(graphs.pop(method))) for method in list(graphs)}
             forget_cached_modules()
             share_equal_constants(graphs)

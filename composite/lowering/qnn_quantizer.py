@@ -1,8 +1,11 @@
-"""The QNN quantizer of a shard: its precision, the per-module overrides, the observers.
+"""The QNN quantizer of a shard: its precision, the per-module overrides, block sizes, observers.
 
 ExecuTorch's QnnQuantizer annotates the graph (the HTP form, htp_graph.py) for torchao's pt2e
 flow: `precision` for every op, `overrides` (module path pattern -> precision) for the modules
-they name, e.g. {"output": "16a8w", "layers.*.feed_forward.w2": "16a8w"}.
+they name, e.g. {"output": "16a8w", "layers.*.feed_forward.w2": "16a8w"}. Where a precision is
+16a4w_block, every 1x1 convolution (a linear in the HTP form) whose input channels divide into
+blocks of `block_size` gets 4-bit weights in such blocks (LPBQ, lpbq.py); one whose input channels
+do not keeps 16a4w's per-channel 4-bit weights.
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ import fnmatch
 
 import torch
 
-QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w", "16a16w": "use_16a16w"}
+QUANT_DTYPES = {
+    "16a4w": "use_16a4w",
+    "16a4w_block": "use_16a4w_block",
+    "16a8w": "use_16a8w",
+    "8a8w": "use_8a8w",
+    "16a16w": "use_16a16w",
+}
 
 
 def module_path_predicate(pattern: str):
@@ -36,15 +45,56 @@ def quantizer_for(options: dict):
     # Plain min/max over all calibration inputs: QNN's default moving-average observer tracks the
     # mean per-call range, which clips the largest activations of a token it has not seen.
     def qconfig(precision: str):
-        return ModuleQConfig(
+        config = ModuleQConfig(
             getattr(QuantDtype, QUANT_DTYPES[precision]),
             is_conv_per_channel=True,
             is_linear_per_channel=True,
             act_observer=MinMaxObserver,
         )
+        if precision == "16a4w_block":
+            on_lpbq_grid(config)
+        return config
 
     quantizer = QnnQuantizer(soc_model=getattr(QcomChipset, options["soc"]))
     quantizer.default_quant_config = qconfig(options["precision"])
     overrides = options.get("overrides") or {}
     quantizer.set_submodule_qconfig_list([(module_path_predicate(p), qconfig(v)) for p, v in overrides.items()])
+    if "16a4w_block" in (options["precision"], *overrides.values()):
+        annotate = quantizer.annotate
+
+        def annotate_in_blocks(model: torch.fx.GraphModule):
+            quantizer.set_block_size_map(block_size_map(model, quantizer, options.get("block_size", 32)))
+            return annotate(model)
+
+        quantizer.annotate = annotate_in_blocks
     return quantizer
+
+
+def on_lpbq_grid(config) -> None:
+    """A 16a4w_block ModuleQConfig whose block weights get scales on the HTP's grid (lpbq.py)."""
+    import dataclasses
+
+    from composite.lowering.lpbq import LpbqObserver
+
+    for i, block_config in enumerate(config.per_block_quant_config_list):
+        spec = block_config.weight
+        observer = LpbqObserver.with_args(**spec.observer_or_fake_quant_ctr.p.keywords)
+        config.per_block_quant_config_list[i] = dataclasses.replace(
+            block_config, weight=dataclasses.replace(spec, observer_or_fake_quant_ctr=observer)
+        )
+
+
+def block_size_map(model: torch.fx.GraphModule, quantizer, block: int) -> dict[str, tuple]:
+    """node name -> block size, for each 1x1 convolution of `model` whose module's precision is
+    block-wise (its ModuleQConfig has per-block configs) and whose input channels divide into
+    `block`, as QnnQuantizer.set_block_size_map takes it: read from the graph it annotates."""
+    sizes = {}
+    for node in model.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.conv2d.default:
+            continue
+        weight = node.args[1]
+        shape = weight.meta["val"].shape if "val" in weight.meta else model.get_parameter(weight.target).shape
+        per_block = getattr(quantizer._get_submodule_qconfig(node), "per_block_quant_config_list", None)
+        if per_block and tuple(shape[2:]) == (1, 1) and shape[1] % block == 0:
+            sizes[node.name] = (1, block, 1, 1)
+    return sizes

@@ -27,15 +27,16 @@ How each choice runs:
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 from torch import nn
 
-from composite.config import DEFAULT_OPTIONS
+from composite.config import DEFAULT_OPTIONS, Placement
 from composite.eval.scoring import chunks as cut_chunks
 from composite.eval.scoring import eval_tokens, first_scored
-from composite.lowering.calibration import calibrate
+from composite.lowering.calibration import calibrate, effective_options
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.htp_graph import htp_form
 from composite.lowering.xnnpack import quantize_linears
@@ -124,7 +125,8 @@ def faster_fake_quant(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     - a fake_quant of values already on its grid (its input a reshape, slice, cat, ... of values
       fake-quantized with the same scale, zero point and range: QNN's quantizer gives such ops
       their input's encoding) dropped: rounding a grid value to its grid gives it back;
-    - every weight's dequantize_per_channel computed once (the weights are constants);
+    - every weight's dequantization (per channel, or per block: dequantize_affine) computed once
+      (the weights are constants);
     - 1x1 convolutions as matrix products (pointwise_conv)."""
     ops = torch.ops.quantized_decomposed
     nodes = graph.graph
@@ -139,8 +141,8 @@ def faster_fake_quant(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in list(nodes.nodes):
         if node.op != "call_function":
             continue
-        if node.target == ops.dequantize_per_channel.default and all(
-            a.op == "get_attr" for a in node.args[:3] if isinstance(a, torch.fx.Node)
+        if node.target in (ops.dequantize_per_channel.default, torch.ops.torchao.dequantize_affine.default) and all(
+            a.op == "get_attr" for a in node.args if isinstance(a, torch.fx.Node)
         ):
             values = [getattr(graph, a.target) if isinstance(a, torch.fx.Node) else a for a in node.args]
             name = f"_dequantized_{node.name}"
@@ -230,9 +232,13 @@ class Sensitivity:
         prefill_len: int,
         group_size: int,
         soc: str,
+        qnn_options: dict | None = None,
     ):
+        """qnn_options: QNN placement options for every QNN candidate (block_size, rounding, ...),
+        over the export's defaults."""
         self.model, self.groups, self.tokenizer, self.bos_id = model, groups, tokenizer, bos_id
         self.max_seq_len, self.prefill_len, self.group_size, self.soc = max_seq_len, prefill_len, group_size, soc
+        self.qnn_options = dict(qnn_options or {})
         self.chunks = cut_chunks(eval_tokens(tokenizer, text, limit_tokens), ctx, bos_id)
         self.first = first_scored(ctx, score)
         args = model.args
@@ -311,15 +317,32 @@ class Sensitivity:
         return CallByCall(graph, n_layers, self.prefill_len, shapes, self.max_seq_len, dtype)
 
     def prepare_qnn(self, pairs: list[tuple[Group, Candidate]]) -> None:
-        """Builds, calibrates (one pass of the float chain for all of them) and converts the
-        quantized QNN decode graphs of `pairs` not built yet."""
+        """Builds, calibrates (one pass of the float chain for all of them with the same calibration
+        settings as the export's: calibration.effective_options) and converts the quantized QNN
+        graphs of `pairs` not built yet."""
+        pairs = [(g, c) for g, c in pairs if (g.index, c.name) not in self.forms]
+        by_settings: dict[str, list] = {}
+        for group, candidate in pairs:
+            options = self._options(candidate)
+            settings = effective_options([Placement("qnn", options)], 0)
+            by_settings.setdefault(json.dumps(settings, sort_keys=True), []).append((group, candidate))
+        for settings, chosen in by_settings.items():
+            self._prepare_qnn(chosen, json.loads(settings))
+
+    def _options(self, candidate: Candidate) -> dict:
+        return {
+            **DEFAULT_OPTIONS["qnn"],
+            **self.qnn_options,
+            "soc": self.soc,
+            "precision": candidate.precision,
+            "weight_sharing": False,
+        }
+
+    def _prepare_qnn(self, pairs: list[tuple[Group, Candidate]], calibration: dict) -> None:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
         from composite.lowering.qnn import QnnShardLowering, traced_htp
 
-        pairs = [(g, c) for g, c in pairs if (g.index, c.name) not in self.forms]
-        if not pairs:
-            return
         jobs: dict[int, list] = {}
         traces: dict[int, dict] = {}  # one torch.export per group, whatever its precisions
         for group, candidate in pairs:
@@ -331,12 +354,7 @@ class Sensitivity:
                 example[-1] = torch.arange(self.prefill_len)
             examples = {method: tuple(example)}
             names = {method: ([t.name for t in inputs], [t.name for t in outputs])}
-            options = {
-                **DEFAULT_OPTIONS["qnn"],
-                "soc": self.soc,
-                "precision": candidate.precision,
-                "weight_sharing": False,
-            }
+            options = self._options(candidate)
             module = self.modules[group.index]
             if group.index not in traces:
                 traces[group.index] = traced_htp(module, examples, options, self._positions())
@@ -360,13 +378,14 @@ class Sensitivity:
             consumers,
             methods,
             self.max_seq_len,
-            {},
+            calibration,
             self.tokenizer,
             self.bos_id,
             head_decode_from_rows=True,
         )
         for entries in jobs.values():
             for group, candidate, job in entries:
+                job.round_weights()
                 graph = faster_fake_quant(convert_pt2e(job.graphs[self._method(group)]))
                 self.forms[(group.index, candidate.name)] = self._call_by_call(group, graph)
 
