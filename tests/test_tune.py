@@ -24,7 +24,7 @@ from conftest import REPO, assert_clean_failure, run_cli
 # Real text from a Debian package: base-files ships the GNU GPL's text.
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 SMALL = ["--ctx", "64", "--limit-tokens", "256", "--max-seq-len", "64", "--prefill-len", "16", "--shards", "4"]
-MIXED = ["--candidates", "qnn:16a4w,xnnpack:fp32,xnnpack:8da4w", "--embedding", "none|4,32"]
+MIXED = ["--candidates", "qnn:16a4w_block,xnnpack:fp32,xnnpack:8da4w", "--embedding", "none|4,32"]
 
 pytestmark = pytest.mark.skipif(not TEXT.is_file(), reason=f"{TEXT} (Debian's base-files) is not on this machine")
 
@@ -86,7 +86,7 @@ def test_the_chosen_recipe_is_the_best_within_the_budget(mixed):
     # The float choices cost nothing; every quantized one costs something and is smaller.
     for name in ("layers 0-2", "layers 3-5", "head"):
         assert groups[name]["xnnpack:fp32"]["kld"] == 0.0
-        for quantized in ("xnnpack:8da4w", "qnn:16a4w"):
+        for quantized in ("xnnpack:8da4w", "qnn:16a4w_block"):
             assert groups[name][quantized]["kld"] > 0
             assert groups[name][quantized]["mb"] < groups[name]["xnnpack:fp32"]["mb"] / 4
     assert groups["embedding"]["embedding 4,32"]["kld"] > groups["embedding"]["embedding none"]["kld"] == 0.0
@@ -140,6 +140,18 @@ def test_measure_uniform_measures_the_named_candidates_uniform_recipes_as_a_whol
         assert u["kld_predicted"] == first["uniform"][label]["kld_predicted"]
 
 
+def test_head_fixes_the_heads_choices_and_the_rest_is_searched_as_before(mixed):
+    folder, _ = mixed
+    _, again = tune_again(folder, "fixed_head", 1.6, *MIXED, "--head", "xnnpack:8da4w")
+    groups = {g["group"]: g["choices"] for g in again["groups"]}
+    assert list(groups["head"]) == ["xnnpack:8da4w"]
+    assert all(c["cached"] for g in again["groups"] for c in g["choices"].values())
+    assert again["chosen"]["recipe"].split(" | ")[-1] == "xnnpack:8da4w"
+    assert again["chosen"]["kld_predicted"] == pytest.approx(best_by_brute_force(again, 1.6), rel=1e-9)
+    # a uniform recipe of a candidate the head may not take keeps the head at its choice
+    assert again["uniform"]["xnnpack:fp32"]["kld_predicted"] == groups["head"]["xnnpack:8da4w"]["kld"]
+
+
 def test_a_budget_above_the_float_size_gives_the_float_model(mixed):
     folder, _ = mixed
     _, result = tune_again(folder, "large_budget", 1000, *MIXED)
@@ -187,6 +199,7 @@ def test_bad_input_gets_one_line(tmp_path):
     cases = [
         (["--budget-mb", "2", "--candidates", "qnn:16a2w"], "unknown candidate 'qnn:16a2w'"),
         (["--budget-mb", "2", "--embedding", "8,0|2,16"], "unknown embedding choice '2,16'"),
+        (["--budget-mb", "2", "--head", "xnnpack:4da4w"], "unknown candidate 'xnnpack:4da4w'"),
         (["--budget-mb", "0.01"], "below the smallest recipe"),
         (["--budget-mb", "2", "--shards", "2"], "at least 3"),
         (["--budget-mb", "-1"], "--budget-mb must be positive"),

@@ -2,8 +2,8 @@
 divergence against the float model under a size budget, written as an export config.
 
     python -m composite.tune --checkpoint X --text FILE --budget-mb N [--shards 6]
-        [--candidates qnn:fp16,qnn:16a8w,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w]
-        [--embedding '8,0|4,32|none'] [--rotate auto|none|hadamard|hadamard-ffn] [--ctx N] [--limit-tokens N] [--score all|second-half]
+        [--candidates qnn:fp16,qnn:16a8w,qnn:16a4w_block,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w]
+        [--embedding '8,0|4,32|none'] [--head CANDIDATES] [--rotate auto|none|hadamard|hadamard-ffn] [--ctx N] [--limit-tokens N] [--score all|second-half]
         --output tuned.yaml [--plot tuned.png] [--verify] [--measure-uniform] [--json]
 
 1. Sensitivity: for each group (the embedding, shards - 2 runs of layers, the head) and each choice,
@@ -62,6 +62,12 @@ def parse_args(argv):
     p.add_argument("--candidates", default=DEFAULT_CANDIDATES, help=f"comma separated (default {DEFAULT_CANDIDATES})")
     p.add_argument(
         "--embedding", default=DEFAULT_EMBEDDING, help=f"choices for the embedding (default '{DEFAULT_EMBEDDING}')"
+    )
+    p.add_argument(
+        "--head",
+        metavar="CANDIDATES",
+        help="the head's candidates, comma separated (default: --candidates; e.g. qnn:16a8w fixes it, as "
+        "ExecuTorch's Qualcomm llama recipe does)",
     )
     p.add_argument("--group-size", type=int, default=32, help="xnnpack 8da4w weight group (default 32)")
     p.add_argument("--soc", default="SM8650", help="QNN SoC the recipe is for (default SM8650)")

@@ -3,7 +3,8 @@
 A tuned recipe cuts the model into groups and gives each group its own shard: the embedding
 (shard 0, on the CPU), runs of decoder layers (one shard each), and the head (final norm and output
 linear, the last shard). A layer group or the head takes a candidate, a backend and a precision
-("qnn:16a4w", "xnnpack:8da4w"); the embedding takes one of the export's embedding_quantize settings.
+("qnn:16a4w", "xnnpack:8da4w"); the embedding takes one of the export's embedding_quantize settings;
+the head's candidates can be fewer than the layers' (--head), as a recipe that fixes its head.
 A group finer than a shard would need per-module precision inside an XNNPACK shard, which the
 export does not have: finer groups are more shards (--shards).
 
@@ -15,6 +16,8 @@ Bytes are the weights as the backends store them, from the shapes and the quanti
   qnn fp16        2 per weight
   qnn 16a8w, 8a8w 1 per weight + a float32 scale and an int32 offset per output channel
   qnn 16a4w       1/2 per weight + the same per channel
+  qnn 16a4w_block 1/2 per weight + a byte per block of 32 inputs (its 4-bit scale) + the same per
+                  channel (a linear whose input width 32 does not divide: as 16a4w)
   norms           4 per weight (2 in qnn fp16)
   embedding       none: 4 per weight; "8,0": 1 per weight + a float16 scale per row; "4,32": 1/2 per
                   weight + a float16 scale per 32 columns
@@ -26,15 +29,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from composite.config import QNN_PRECISIONS
+from composite.config import DEFAULT_OPTIONS, QNN_PRECISIONS
 from composite.errors import UserError
 from composite.model.llama import ModelArgs
 from composite.model.rotation import hidden_rotation_sizes
 
-DEFAULT_CANDIDATES = "qnn:fp16,qnn:16a8w,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w"
+DEFAULT_CANDIDATES = "qnn:fp16,qnn:16a8w,qnn:16a4w_block,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w"
 XNNPACK_PRECISIONS = ("fp32", "8da8w", "8da4w")
 TUNED_QNN_PRECISIONS = tuple(p for p in QNN_PRECISIONS if p != "16a16w")  # 16a16w: no smaller than fp16
 EMBEDDING_CHOICES = ("none", "8,0", "4,32")
+QNN_BLOCK = DEFAULT_OPTIONS["qnn"]["block_size"]  # the tuner's 16a4w_block candidates use the default blocks
 DEFAULT_EMBEDDING = "|".join(EMBEDDING_CHOICES)
 
 
@@ -55,13 +59,6 @@ class Candidate:
     def quantized_qnn(self) -> bool:
         """A QNN candidate with fixed-point activations (calibrated), as Placement.quantized_qnn."""
         return self.backend == "qnn" and self.precision != "fp16"
-
-    @property
-    def weight_bits(self) -> int | None:
-        """4 or 8 as the export's rotate auto counts them (16a16w with the 8-bit ones); None: float."""
-        if self.is_float or self.precision == "fp16":
-            return None
-        return 4 if self.precision.endswith("4w") else 8
 
     def placement(self, head: bool) -> dict:
         """The shard's placement entry in an export config (a head shard keeps the precision of
@@ -165,7 +162,9 @@ def linear_bytes(out_features: int, in_features: int, candidate: Candidate, grou
     if candidate.precision == "fp16":
         return 2 * n
     per_channel = 8 * out_features
-    return (n // 2 if candidate.precision == "16a4w" else n) + per_channel
+    if candidate.precision == "16a4w_block" and in_features % QNN_BLOCK == 0:
+        return n // 2 + n // QNN_BLOCK + per_channel
+    return (n // 2 if candidate.precision.startswith("16a4w") else n) + per_channel
 
 
 def norm_bytes(dim: int, candidate: Candidate) -> int:
@@ -202,5 +201,7 @@ def choice_name(choice) -> str:
     return choice.name if isinstance(choice, Candidate) else f"embedding {choice}"
 
 
-def choices_for(group: Group, candidates: list[Candidate], embedding: list[str]) -> list:
-    return embedding if group.kind == "embedding" else candidates
+def choices_for(group: Group, candidates: list[Candidate], embedding: list[str], head: list[Candidate]) -> list:
+    if group.kind == "embedding":
+        return embedding
+    return head if group.kind == "head" else candidates

@@ -10,7 +10,7 @@ from composite.executor import Job
 from composite.executor.fork import ForkedCall, split_work
 from composite.lowering.task import one_thread
 from composite.tune.cache import ResultCache
-from composite.tune.candidates import Candidate, Group, choice_name, choices_for
+from composite.tune.candidates import Candidate, Group, choice_name
 from composite.tune.output import describe, kld_text
 from composite.tune.search import Recipe
 from composite.tune.sensitivity import Sensitivity
@@ -61,7 +61,7 @@ def measure(sens: Sensitivity, pairs: list) -> dict:
         return results
 
 
-def measure_sensitivities(searches: list[Rotated], groups, candidates, embedding, executor=None) -> list[dict]:
+def measure_sensitivities(searches: list[Rotated], pairs: list, executor=None) -> list[dict]:
     """For each rotation's search: (group index, choice name) -> {"kld", "top1", "seconds", "cached"}.
     What its cache does not hold is measured in two processes (a fork of this one takes about half
     of the groups, each process builds and calibrates its own groups' QNN graphs): measuring is
@@ -72,7 +72,6 @@ def measure_sensitivities(searches: list[Rotated], groups, candidates, embedding
     def key(group, choice) -> str:
         return f"{group.name}|{choice_name(choice)}"
 
-    pairs = [(g, c) for g in groups for c in choices_for(g, candidates, embedding)]
     todo = [[(g, c) for g, c in pairs if m.cache.get(key(g, c)) is None] for m in searches]
     if any(todo):
         print(f"measuring {sum(map(len, todo))} choices ...", file=sys.stderr, flush=True)
@@ -85,6 +84,7 @@ def measure_sensitivities(searches: list[Rotated], groups, candidates, embedding
                 search_of[jobs[-1].name] = i
         executor.run(jobs, lambda done: results[search_of[done.job.name]].update(done.result))
     else:
+        groups = list(dict.fromkeys(g for g, _ in pairs))
         results = [measure_in_two_processes(m.sens, groups, pending) for m, pending in zip(searches, todo)]
     measured = []
     for m, pending, found in zip(searches, todo, results):

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from composite import qnn_host
+from composite.config import auto_rotation
 from composite.errors import UserError
 from composite.eval.scoring import read_text
 from composite.model.checkpoint import load_checkpoint
@@ -36,11 +37,11 @@ from composite.tune.verify import verify_chosen
 MB = 1e6
 
 
-def options_per_group(groups, candidates, embedding, measured, model_args, group_size, rotation) -> list[list[Option]]:
+def options_per_group(inputs, measured, model_args, group_size, rotation) -> list[list[Option]]:
     out = []
-    for group in groups:
+    for group in inputs.groups:
         options = []
-        for choice in choices_for(group, candidates, embedding):
+        for choice in inputs.choices(group):
             stored, read = group_bytes(group, choice, model_args, group_size, rotation)
             options.append(
                 Option(group.index, choice, stored, read, measured[(group.index, choice_name(choice))]["kld"])
@@ -49,14 +50,17 @@ def options_per_group(groups, candidates, embedding, measured, model_args, group
     return out
 
 
-def uniform_recipes(groups, per_group: list[list[Option]], candidates, embedding) -> dict[str, Recipe]:
-    """Every group at one candidate, for each embedding choice."""
+def uniform_recipes(groups, per_group: list[list[Option]], candidates, embedding, head) -> dict[str, Recipe]:
+    """Every group at one candidate, for each embedding choice (the head at the first --head
+    choice where the candidate is not one)."""
     out = {}
     for candidate in candidates:
         for emb in embedding:
             chosen = []
             for group, options in zip(groups, per_group):
                 wanted = emb if group.kind == "embedding" else candidate
+                if group.kind == "head" and candidate not in head:
+                    wanted = head[0]
                 chosen.append(next(o for o in options if o.choice == wanted))
             label = candidate.name + ("" if emb == "none" else f" + embedding {emb}")
             out[label] = Recipe(tuple(chosen))
@@ -82,12 +86,20 @@ class Inputs:
 
     candidates: list[Candidate]
     embedding: list[str]
+    head: list[Candidate]  # the head's candidates (--head, default the candidates)
     measured_uniform: set[str]  # the candidates whose uniform recipes are measured whole
     text: str
     loaded: object  # LoadedModel
     tokenizer: object
     bos: int | None
     groups: list[Group]
+
+    def choices(self, group: Group) -> list:
+        return choices_for(group, self.candidates, self.embedding, self.head)
+
+    def pairs(self) -> list:
+        """Every (group, choice) the search measures."""
+        return [(g, c) for g in self.groups for c in self.choices(g)]
 
 
 @dataclasses.dataclass
@@ -118,7 +130,7 @@ def tune(args, executor=None) -> dict:
             f"({smallest / MB:.2f} MB): raise the budget or add smaller candidates"
         )
     models = [rotated(args, inputs, rotation) for rotation in fitting]
-    measured = measure_sensitivities(models, inputs.groups, inputs.candidates, inputs.embedding, executor)
+    measured = measure_sensitivities(models, inputs.pairs(), executor)
     searches = [search(args, inputs, m, found) for m, found in zip(models, measured)]
     best = min(searches, key=lambda s: s.whole["kld"])  # the better at the budget, each measured whole
     output = Path(args.output)
@@ -130,19 +142,18 @@ def tune(args, executor=None) -> dict:
 
 
 def rotations_to_search(rotate_flag: str, candidates: list[Candidate]) -> list[str]:
-    """--rotate auto (the export's default): no rotation, and where some candidate has 8-bit
-    weights also the rotation the export's auto gives a recipe of only those (config.rotation)."""
+    """--rotate auto (the export's default): no rotation, and where some candidate is one the
+    export's auto rotates also the rotation it gives a recipe of only those (config.auto_rotation)."""
     if rotate_flag != "auto":
         return [rotate_flag]
-    eight_bit = [c for c in candidates if c.weight_bits == 8]
-    if not eight_bit:
-        return ["none"]
-    return ["none", "hadamard-ffn" if all(c.backend == "xnnpack" for c in eight_bit) else "hadamard"]
+    rotated = [(c.backend, c.precision) for c in candidates if auto_rotation([(c.backend, c.precision)]) != "none"]
+    return ["none", auto_rotation(rotated)] if rotated else ["none"]
 
 
 def read_inputs(args) -> Inputs:
     candidates = parse_candidates(args.candidates)
     embedding = parse_embedding(args.embedding)
+    head = parse_candidates(args.head) if args.head else candidates
     measured_uniform = uniform_candidates(args, candidates)
     if any(c.backend == "qnn" and c.precision != "fp16" for c in candidates):
         qnn_host.activate()
@@ -155,15 +166,12 @@ def read_inputs(args) -> Inputs:
         raise UserError("composite.tune reads a text: this checkpoint has no tokenizer beside it")
     bos = prompt_bos_id(loaded, tokenizer)
     groups = plan_groups(loaded.args, args.shards)
-    return Inputs(candidates, embedding, measured_uniform, text, loaded, tokenizer, bos, groups)
+    return Inputs(candidates, embedding, head, measured_uniform, text, loaded, tokenizer, bos, groups)
 
 
 def smallest_bytes(args, inputs: Inputs, rotation: str) -> int:
     return sum(
-        min(
-            group_bytes(g, c, inputs.loaded.args, args.group_size, rotation)[0]
-            for c in choices_for(g, inputs.candidates, inputs.embedding)
-        )
+        min(group_bytes(g, c, inputs.loaded.args, args.group_size, rotation)[0] for c in inputs.choices(g))
         for g in inputs.groups
     )
 
@@ -185,12 +193,10 @@ def search(args, inputs: Inputs, m: Rotated, measured: dict) -> Search:
     """From one rotation's measured choices: search the frontier, measure the chosen and the
     asked-for uniform recipes whole."""
     groups, sens, cache = inputs.groups, m.sens, m.cache
-    per_group = options_per_group(
-        groups, inputs.candidates, inputs.embedding, measured, inputs.loaded.args, args.group_size, m.rotation
-    )
+    per_group = options_per_group(inputs, measured, inputs.loaded.args, args.group_size, m.rotation)
     recipes = frontier(per_group)
     chosen = best_within(recipes, int(args.budget_mb * MB))  # the smallest recipe fits: checked
-    uniform = uniform_recipes(groups, per_group, inputs.candidates, inputs.embedding)
+    uniform = uniform_recipes(groups, per_group, inputs.candidates, inputs.embedding, inputs.head)
     uniform_whole = {
         label: measure_whole(sens, cache, groups, recipe)
         for label, recipe in uniform.items()
