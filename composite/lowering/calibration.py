@@ -115,20 +115,26 @@ def calibration_calls(
     tokens as `decode_samples` of them (x prefill width), since one decode call sees a single token. Each pass
     starts a sequence as the runners do, with `bos_id` when the export adds one (trained models
     put their largest activations on a sequence's first token), prefills over the first half of
-    the cache, then decodes to its end, so inputs come with caches partly filled, as in real use.
-    A last pass (one prefill, one decode call) is held out."""
+    the cache, then decodes to its end, so inputs come with caches partly filled, as in real use;
+    the first pass decodes from the sequence's start instead (below). A last pass (one prefill,
+    one decode call) is held out."""
     width = methods[PREFILL]
     prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
     decode_calls = int(options.get("decode_samples", min(prefill_calls, DEFAULT_DECODE_SAMPLES))) * width
     chunks_per_pass = max(1, min(prefill_calls, (max_seq_len // 2) // width))
     decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - 1)
     passes = max(-(-prefill_calls // chunks_per_pass), -(-decode_calls // decode_per_pass))
-    plan = []
-    prefill_left, decode_left = prefill_calls, decode_calls
+    # The first pass decodes a sequence from its start, as composite.eval and --eval_text call a
+    # shard (a decode call per token): the first position's activations (a trained model's largest,
+    # on its BOS) are then in the decode method's ranges too, which prefill passes alone never give it.
+    opening = min(width, decode_calls)
+    plan = [(0, opening)] if opening else []
+    prefill_left, decode_left = prefill_calls, decode_calls - opening
     for _ in range(passes):
         plan.append((min(chunks_per_pass, prefill_left), min(decode_per_pass, decode_left)))
         prefill_left -= plan[-1][0]
         decode_left -= plan[-1][1]
+    plan = [entry for entry in plan if entry != (0, 0)]
     plan.append((1, 1))  # held out
     stream = token_stream(options, tokenizer, vocab_size, sum(p * width + d for p, d in plan))
     calls, cursor = [], 0
@@ -145,12 +151,16 @@ def calibration_calls(
         if head_decode_from_rows:
             for start in range(0, steps, width):
                 rows = min(width, steps - start)
-                calls.append(Call(PREFILL, tuple(stream[cursor : cursor + rows]), pos, pos == 0, held_out, rows))
+                tokens = stream[cursor : cursor + rows]
+                if pos == 0 and bos_id is not None:
+                    tokens = [bos_id, *tokens[:-1]]
+                calls.append(Call(PREFILL, tuple(tokens), pos, pos == 0, held_out, rows))
                 pos += rows
                 cursor += rows
             continue
         for _ in range(steps):
-            calls.append(Call(DECODE, (stream[cursor],), pos, pos == 0, held_out))
+            token = bos_id if pos == 0 and bos_id is not None else stream[cursor]
+            calls.append(Call(DECODE, (token,), pos, pos == 0, held_out))
             pos += 1
             cursor += 1
     return calls
