@@ -160,8 +160,9 @@ def run_llama_cpp(command: list[str]) -> str:
     return done.stdout + done.stderr
 
 
-def llama_cpp_row(args, workdir: Path, gguf_type: str) -> dict:
-    """One llama.cpp type scored against its F32 (made, and its probabilities stored, once)."""
+def llama_cpp_row(args, workdir: Path, gguf_type: str, flags: tuple[str, ...] = (), name: str | None = None) -> dict:
+    """One llama.cpp type scored against its F32 (made, and its probabilities stored, once);
+    flags: more llama-quantize flags (tensor types), name: the file's stem then."""
     bin_dir = Path(args.llama_cpp) / "build" / "bin"
     f32, base = workdir / "llama-F32.gguf", workdir / "llama-F32.kld"
     chunks = ["-c", str(args.ctx), "--chunks", str(args.limit_tokens // args.ctx), "-t", str(os.cpu_count())]
@@ -182,8 +183,8 @@ def llama_cpp_row(args, workdir: Path, gguf_type: str) -> dict:
         )
     model = f32
     if gguf_type != "F32":
-        model = workdir / f"llama-{gguf_type}.gguf"
-        run_llama_cpp([str(bin_dir / "llama-quantize"), str(f32), str(model), gguf_type])
+        model = workdir / f"llama-{name or gguf_type}.gguf"
+        run_llama_cpp([str(bin_dir / "llama-quantize"), *flags, str(f32), str(model), gguf_type])
     log = run_llama_cpp(
         [
             str(bin_dir / "llama-perplexity"),
