@@ -650,3 +650,21 @@ def test_a_16a4w_block_shard_on_the_simulator_computes_its_quantized_graph(qnn_r
     monkeypatch.undo()
     off_grid = lpbq_shard_against_its_graph(monkeypatch, on_grid=False)
     assert max(off_grid) < 45, off_grid
+
+
+@pytest.mark.parametrize("samples", [16, 64, 128])
+def test_calibration_decodes_a_sequence_from_its_start_bos_first(samples):
+    """composite.eval and --eval_text feed a shard every token through its decode method, the first
+    (a trained model's largest activations) too: the decode calls include position 0 with the BOS,
+    whatever the number of prefill calls, and add up to the decode budget."""
+    from composite.lowering.calibration import DEFAULT_DECODE_SAMPLES, calibration_calls
+    from composite.manifest import DECODE, PREFILL
+
+    bos = 1
+    calls = calibration_calls({"samples": samples}, None, 512, {DECODE: 1, PREFILL: 32}, 256, bos)
+    decode = [c for c in calls if c.method == DECODE and not c.held_out]
+    prefill = [c for c in calls if c.method == PREFILL and not c.held_out]
+    assert decode[0].pos == 0 and decode[0].tokens == (bos,) and decode[0].starts_sequence
+    assert len(decode) == min(samples, DEFAULT_DECODE_SAMPLES) * 32 and len(prefill) == samples
+    assert all(c.tokens[0] == bos for c in prefill if c.pos == 0)
+    assert {c.pos for c in decode} >= set(range(32))  # the opening sequence's first positions
