@@ -25,9 +25,9 @@ import time
 import uuid
 from pathlib import Path
 
-from composite import chat_template, manifest_write, qnn_host, shard_cache, spill_fill, staging
+from composite import chat_template, config_flags, manifest_write, qnn_host, shard_cache, spill_fill, staging
 from composite import manifest as manifest_schema
-from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes, config_from_flags
+from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes
 from composite.errors import Failure, UserError, exits_cleanly
 from composite.executor import Done, JobFailed
 from composite.executor.fork import ForkedCall
@@ -326,7 +326,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cache = None if args.no_cache else ShardCache.from_environment()
     signal.signal(signal.SIGTERM, lambda signum, _frame: terminated(signum, cached=cache is not None))
-    config = config_from_flags(args)
+    config = config_flags.config_from_flags(args)
     if any(p.backend == "qnn" for p in config.placements()):
         qnn_host.activate()  # re-executes this process once, before its stderr is filtered
     executor = from_ray_flag(args.ray)
