@@ -152,8 +152,8 @@ def calibration_calls(
             for start in range(0, steps, width):
                 rows = min(width, steps - start)
                 tokens = stream[cursor : cursor + rows]
-                if pos == 0 and bos_id is not None:
-                    tokens = [bos_id, *tokens[:-1]]
+                if pos == 0 and bos_id is not None:  # as the decode steps below: the BOS in the first token's place
+                    tokens = [bos_id, *tokens[1:]]
                 calls.append(Call(PREFILL, tuple(tokens), pos, pos == 0, held_out, rows))
                 pos += rows
                 cursor += rows
