@@ -10,11 +10,14 @@ converting the graph gives exactly those integers; the HTP computes with them as
 any others.
 
 H comes from the calibration run: each 1x1 convolution (a linear in the HTP form) of the prepared
-graphs sums x x^T of its input over every calibration call of every method. A weight both methods read (a shard's decode and prefill graphs share their
-weights) is rounded once, with both methods' inputs.
+graphs sums x x^T of its input over every calibration call of every method. A weight both
+methods read (a shard's decode and prefill graphs share their weights) is rounded once, with both
+methods' inputs.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
@@ -192,10 +195,7 @@ def round_weights(graphs: dict, moments: dict[frozenset, InputMoments]) -> int:
             tensor = graph.get_parameter(parameter)
             inputs = moments[keys[conv.name]]
             readers.setdefault(id(tensor), []).append((graph, parameter, inputs, observer))
-    pending = {id(m): 0 for uses in readers.values() for _, _, m, _ in uses}  # weights left to round, per input
-    for uses in readers.values():
-        for _, _, m, _ in uses:
-            pending[id(m)] += 1
+    pending = Counter(id(m) for uses in readers.values() for _, _, m, _ in uses)  # weights left to round, per input
     for uses in readers.values():
         graph, parameter, _, observer = uses[0]
         weight = graph.get_parameter(parameter)
