@@ -154,3 +154,39 @@ def test_an_unknown_rotation_is_refused(tmp_path):
         build_config(None, {"rotate": "quarot"})
     result = run_cli("composite.export", "--rotate", "quarot", "--output", str(tmp_path / "x"))
     assert result.returncode == 2 and "invalid choice: 'quarot'" in result.stderr
+
+
+@pytest.mark.parametrize("precision, weight_max", [("16a4w_block", 32767), ("16a8w", 32767), ("8a8w", 127)])
+def test_qnn_keeps_16_bit_weights_for_the_online_rotation_in_16_bit_activation_shards(qnn_ready, precision, weight_max):
+    """The feed-forward's online rotation is two matmuls by constant matrices: with 4-bit weights the
+    HTP computes them otherwise than the quantized graph (lowering/qnn_quantizer.py), so in shards
+    of 16-bit activations they get 16-bit weights; the model's own linears keep the precision's."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+    from composite.lowering.qnn import QnnShardLowering
+    from composite.manifest import DECODE
+    from composite.split.plan import plan_shards
+    from composite.split.shard import ShardModule, shard_io
+
+    model = default_model().eval()
+    rotate(model, "hadamard-ffn")
+    spec = plan_shards(model.args, 3, None)[1]
+    inputs, outputs = shard_io(model.args, spec, 1, 32)
+    examples = {DECODE: tuple(t.example() for t in inputs)}
+    names = {DECODE: ([t.name for t in inputs], [t.name for t in outputs])}
+    options = {**DEFAULT_OPTIONS["qnn"], "precision": precision, "weight_sharing": False, "rounding": "nearest"}
+    job = QnnShardLowering(ShardModule(model, spec).eval(), examples, names, options, 33)
+    job.observe(DECODE, examples[DECODE])
+    graph = convert_pt2e(job.graphs[DECODE])
+
+    def weight_range(node):
+        weight = node.args[1]
+        assert weight.op == "call_function" and "dequantize" in str(weight.target), weight
+        return weight.args[4:6]  # quant_min, quant_max of a per-channel dequantize
+
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    rotation = [weight_range(n) for n in calls if n.target == torch.ops.aten.linear.default]
+    model_weights = [weight_range(n) for n in calls if n.target == torch.ops.aten.conv2d.default]
+    assert len(rotation) == 2 * len(spec.layers)
+    assert set(rotation) == {(-weight_max, weight_max)}
+    assert (-weight_max, weight_max) not in set(model_weights) or precision == "8a8w"

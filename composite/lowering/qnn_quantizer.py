@@ -2,7 +2,14 @@
 
 ExecuTorch's QnnQuantizer annotates the graph (the HTP form, htp_graph.py) for torchao's pt2e
 flow: `precision` for every op, `overrides` (module path pattern -> precision) for the modules
-they name, e.g. {"output": "16a8w", "layers.*.feed_forward.w2": "16a8w"}. Where a precision is
+they name, e.g. {"output": "16a8w", "layers.*.feed_forward.w2": "16a8w"}. The online rotation of
+`rotate: hadamard-ffn` (model/llama.py's KroneckerRotation: two matmuls by constant matrices) keeps
+16-bit weights in shards of 16-bit activations, whatever the precision: its weights are a rotation,
+not the model's, and the HTP computes 4-bit weights of such a matmul (a FullyConnected, not a 1x1
+convolution) otherwise than the quantized graph does, though the Hadamard factors sit exactly on
+the 4-bit grid (SmolLM2 layers 11-12 at 16a4w_block, decode on the simulator against the converted
+graph: 17.5 dB per token with 4-bit rotation weights, 38 dB with 16-bit ones; docs/quality.md).
+Where a precision is
 16a4w_block, every 1x1 convolution (a linear in the HTP form) whose input channels divide into
 blocks of `block_size` gets 4-bit weights in such blocks (LPBQ, lpbq.py); one whose input channels
 do not keeps 16a4w's per-channel 4-bit weights.
@@ -21,6 +28,9 @@ QUANT_DTYPES = {
     "8a8w": "use_8a8w",
     "16a16w": "use_16a16w",
 }
+
+
+ROTATION_MODULES = "*.hidden_rotation"  # model/llama.py: FeedForward.hidden_rotation
 
 
 def module_path_predicate(pattern: str):
@@ -58,7 +68,10 @@ def quantizer_for(options: dict):
     quantizer = QnnQuantizer(soc_model=getattr(QcomChipset, options["soc"]))
     quantizer.default_quant_config = qconfig(options["precision"])
     overrides = options.get("overrides") or {}
-    quantizer.set_submodule_qconfig_list([(module_path_predicate(p), qconfig(v)) for p, v in overrides.items()])
+    rules = [(module_path_predicate(p), qconfig(v)) for p, v in overrides.items()]
+    if options["precision"].startswith("16a"):  # the first rule a node matches applies
+        rules.insert(0, (module_path_predicate(ROTATION_MODULES), qconfig("16a16w")))
+    quantizer.set_submodule_qconfig_list(rules)
     if "16a4w_block" in (options["precision"], *overrides.values()):
         annotate = quantizer.annotate
 
