@@ -64,6 +64,7 @@ ROWS = {
     ),
     "block32-all": ("QNN 16a4w_block 32 (defaults)", "hadamard-ffn", {"block_size": 32}, {ALL: "qnn:16a4w_block"}),
     "block64-all": ("QNN 16a4w_block 64", "hadamard-ffn", {"block_size": 64}, {ALL: "qnn:16a4w_block"}),
+    "block16-all": ("QNN 16a4w_block 16", "hadamard-ffn", {"block_size": 16}, {ALL: "qnn:16a4w_block"}),
     "16a8w-all": ("QNN 16a8w", "hadamard-ffn", {}, {ALL: "qnn:16a8w"}),
     "8da4w-all": ("XNNPACK 8da4w g32, not rotated", "none", {}, {ALL: "xnnpack:8da4w"}),
 }
@@ -149,8 +150,8 @@ def measure_ours(args, rows: dict[str, tuple], loaded, tokenizer, bos) -> dict[s
             backend, precision = choice.split(":")
             for group in groups:
                 if group.kind == "layers" and first <= group.layer_start and group.layer_end <= end:
-                    recipe[group.index] = Candidate(backend, precision)
-                    stored += group_bytes(group, recipe[group.index], args_, 32, rotation)[0]
+                    recipe[group.index] = candidate = Candidate(backend, precision)
+                    stored += group_bytes(group, candidate, args_, 32, rotation, qnn.get("block_size", 32))[0]
                     layers += group.layer_end - group.layer_start
         sens.prepare_qnn([(groups[i], c) for i, c in recipe.items() if c.quantized_qnn])
         measured = sens.evaluate(recipe)

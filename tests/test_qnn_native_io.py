@@ -229,7 +229,8 @@ def test_the_htp_estimate_of_a_shards_weights_is_what_its_compiled_contexts_hold
         measured = shard["htp_context_bytes"]
         assert weights <= measured <= 1.05 * weights + graphs, (shard["index"], weights, measured)
         group = Group("layers", shard["index"], *shard["layers"])
-        tuned = len(manifest["methods"]) * group_bytes(group, Candidate("qnn", precision), args, 32)[0]
+        rotation = manifest["source"].get("rotation", "none")
+        tuned = len(manifest["methods"]) * group_bytes(group, Candidate("qnn", precision), args, 32, rotation)[0]
         assert tuned <= measured <= 1.05 * tuned + graphs, (shard["index"], tuned, measured)
 
 

@@ -279,3 +279,18 @@ def test_the_heads_decode_calibration_from_prefill_rows_sees_what_decode_steps_g
         assert len(rows[index][PREFILL]) == len(steps[index][PREFILL]) == 5
         for a, b in zip(rows[index][PREFILL], steps[index][PREFILL]):
             assert torch.equal(a, b)
+
+
+def test_the_byte_formula_counts_16_bit_weights_and_the_rotation_qnn_keeps_at_16_bits():
+    from composite.model.default import DEFAULT_ARGS
+    from composite.model.rotation import hidden_rotation_sizes
+    from composite.tune.candidates import Candidate, Group, group_bytes, linear_bytes
+
+    n = 64
+    assert linear_bytes(n, n, Candidate("qnn", "16a16w"), 32) == 2 * n * n + 8 * n  # weights + per-channel scales
+    assert linear_bytes(n, n, Candidate("qnn", "16a4w_block"), 32, qnn_block=16) == n * n // 2 + n * n // 16 + 8 * n
+    layers = Group("layers", 1, 0, 1)
+    block = Candidate("qnn", "16a4w_block")
+    rotation = sum(2 * s * s + 8 * s for s in hidden_rotation_sizes(DEFAULT_ARGS.hidden_dim))
+    rotated = group_bytes(layers, block, DEFAULT_ARGS, 32, "hadamard-ffn")[0]
+    assert rotated - group_bytes(layers, block, DEFAULT_ARGS, 32)[0] == rotation

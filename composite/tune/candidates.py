@@ -148,7 +148,9 @@ def layer_linears(args: ModelArgs) -> list[tuple[int, int]]:
     ]
 
 
-def linear_bytes(out_features: int, in_features: int, candidate: Candidate, group_size: int) -> int:
+def linear_bytes(
+    out_features: int, in_features: int, candidate: Candidate, group_size: int, qnn_block: int = QNN_BLOCK
+) -> int:
     n = out_features * in_features
     if candidate.backend == "xnnpack":
         if candidate.precision == "fp32":
@@ -162,8 +164,10 @@ def linear_bytes(out_features: int, in_features: int, candidate: Candidate, grou
     if candidate.precision == "fp16":
         return 2 * n
     per_channel = 8 * out_features
-    if candidate.precision == "16a4w_block" and in_features % QNN_BLOCK == 0:
-        return n // 2 + n // QNN_BLOCK + per_channel
+    if candidate.precision == "16a4w_block" and in_features % qnn_block == 0:
+        return n // 2 + n // qnn_block + per_channel
+    if candidate.precision == "16a16w":
+        return 2 * n + per_channel
     return (n // 2 if candidate.precision.startswith("16a4w") else n) + per_channel
 
 
@@ -171,9 +175,12 @@ def norm_bytes(dim: int, candidate: Candidate) -> int:
     return (2 if candidate.backend == "qnn" and candidate.precision == "fp16" else 4) * dim
 
 
-def group_bytes(group: Group, choice, args: ModelArgs, group_size: int, rotation: str = "none") -> tuple[int, int]:
+def group_bytes(
+    group: Group, choice, args: ModelArgs, group_size: int, rotation: str = "none", qnn_block: int = QNN_BLOCK
+) -> tuple[int, int]:
     """(stored bytes, bytes one decode step reads) of `group` under `choice` (a Candidate, or an
-    embedding_quantize string for the embedding), the model rotated as `rotation` says."""
+    embedding_quantize string for the embedding), the model rotated as `rotation` says, QNN's
+    block-wise weights in blocks of `qnn_block` input channels."""
     vocab, dim = args.vocab_size, args.dim
     if group.kind == "embedding":
         if choice == "none":
@@ -182,17 +189,18 @@ def group_bytes(group: Group, choice, args: ModelArgs, group_size: int, rotation
             return vocab * dim + 2 * vocab, dim + 2
         return vocab * dim // 2 + 2 * vocab * dim // 32, dim // 2 + 2 * dim // 32
     if group.kind == "head":
-        stored = linear_bytes(vocab, dim, choice, group_size) + norm_bytes(dim, choice)
+        stored = linear_bytes(vocab, dim, choice, group_size, qnn_block) + norm_bytes(dim, choice)
         return stored, stored
-    per_layer = sum(linear_bytes(o, i, choice, group_size) for o, i in layer_linears(args)) + 2 * norm_bytes(
+    per_layer = sum(linear_bytes(o, i, choice, group_size, qnn_block) for o, i in layer_linears(args)) + 2 * norm_bytes(
         dim, choice
     )
     if rotation == "hadamard-ffn":  # the feed-forward's online rotation: float on XNNPACK, quantized on QNN
         sizes = hidden_rotation_sizes(args.hidden_dim)
         if choice.backend == "xnnpack":
             per_layer += sum(4 * n * n for n in sizes)
-        else:
-            per_layer += sum(linear_bytes(n, n, choice, 0) for n in sizes)
+        else:  # 16-bit weights where the activations are (lowering/qnn_quantizer.py)
+            rotation_choice = Candidate("qnn", "16a16w") if choice.precision.startswith("16a") else choice
+            per_layer += sum(linear_bytes(n, n, rotation_choice, 0) for n in sizes)
     stored = per_layer * (group.layer_end - group.layer_start)
     return stored, stored
 
