@@ -125,7 +125,7 @@ def test_qnn_cache_and_hidden_io_are_native_and_shared(native_export):
                 assert wanted["dtype"] == "float32"
 
 
-def test_native_io_runners_agree_and_hold_the_cache_in_its_width(native_export, tmp_path):
+def test_native_io_runners_agree_and_hold_the_cache_in_its_width(needs_runner, native_export, tmp_path):
     precision, folder = native_export
     python = json.loads(
         run_cli(
