@@ -294,3 +294,19 @@ def test_the_byte_formula_counts_16_bit_weights_and_the_rotation_qnn_keeps_at_16
     rotation = sum(2 * s * s + 8 * s for s in hidden_rotation_sizes(DEFAULT_ARGS.hidden_dim))
     rotated = group_bytes(layers, block, DEFAULT_ARGS, 32, "hadamard-ffn")[0]
     assert rotated - group_bytes(layers, block, DEFAULT_ARGS, 32)[0] == rotation
+
+
+def test_qnn_block_size_is_measured_counted_and_written(mixed):
+    """--qnn-block-size 16: the 16a4w_block choices measured again in blocks of 16 (not taken from
+    the blocks of 32 cached), their bytes counted with twice the block scales, the config exports it."""
+    folder, first = mixed
+    again, second = tune_again(folder, "blocks_of_16", 1.6, *MIXED, "--qnn-block-size", "16")
+    before = {g["group"]: g["choices"] for g in first["groups"]}
+    for group in second["groups"]:
+        block = group["choices"].get("qnn:16a4w_block")
+        if block is None:
+            continue
+        assert not block["cached"]
+        assert block["mb"] > before[group["group"]]["qnn:16a4w_block"]["mb"]
+        assert group["choices"]["xnnpack:8da4w"]["mb"] == before[group["group"]]["xnnpack:8da4w"]["mb"]
+    assert build_config(str(again / "tuned.yaml"), {}).qnn["block_size"] == 16

@@ -3,7 +3,7 @@ divergence against the float model under a size budget, written as an export con
 
     python -m composite.tune --checkpoint X --text FILE --budget-mb N [--shards 6]
         [--candidates qnn:fp16,qnn:16a8w,qnn:16a4w_block,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w]
-        [--embedding '8,0|4,32|none'] [--head CANDIDATES] [--rotate auto|none|hadamard|hadamard-ffn] [--ctx N] [--limit-tokens N] [--score all|second-half]
+        [--embedding '8,0|4,32|none'] [--head CANDIDATES] [--qnn-block-size 16|32|64] [--rotate auto|none|hadamard|hadamard-ffn] [--ctx N] [--limit-tokens N] [--score all|second-half]
         --output tuned.yaml [--plot tuned.png] [--verify] [--measure-uniform] [--json]
 
 1. Sensitivity: for each group (the embedding, shards - 2 runs of layers, the head) and each choice,
@@ -38,7 +38,7 @@ import signal
 from pathlib import Path
 
 from composite import qnn_host
-from composite.config import ROTATIONS
+from composite.config import DEFAULT_OPTIONS, QNN_BLOCK_SIZES, ROTATIONS
 from composite.errors import UserError, exits_cleanly
 from composite.eval.scoring import SCORE_MODES
 from composite.executor.fork import ForkedCall
@@ -71,6 +71,13 @@ def parse_args(argv):
     )
     p.add_argument("--group-size", type=int, default=32, help="xnnpack 8da4w weight group (default 32)")
     p.add_argument("--soc", default="SM8650", help="QNN SoC the recipe is for (default SM8650)")
+    p.add_argument(
+        "--qnn-block-size",
+        type=int,
+        choices=QNN_BLOCK_SIZES,
+        default=DEFAULT_OPTIONS["qnn"]["block_size"],
+        help="input channels per block of qnn:16a4w_block weights, measured and exported (default %(default)s)",
+    )
     p.add_argument(
         "--rotate",
         choices=["auto", *ROTATIONS],

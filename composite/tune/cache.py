@@ -65,6 +65,7 @@ def measurement_settings(args, inputs, model, rotation: str) -> dict:
         "prefill_len": args.prefill_len,
         "group_size": args.group_size,
         "soc": args.soc,
+        "qnn_block_size": args.qnn_block_size,
         "rotate": rotation,
         "groups": [[g.kind, g.layer_start, g.layer_end] for g in inputs.groups],
     }

@@ -42,7 +42,7 @@ def tuned_config(args, groups, recipe: Recipe, rotation: str) -> dict:
     config["max_seq_len"] = args.max_seq_len
     config["prefill_len"] = args.prefill_len
     config["xnnpack"] = {"group_size": args.group_size}
-    config["qnn"] = {"soc": args.soc}
+    config["qnn"] = {"soc": args.soc, "block_size": args.qnn_block_size}
     config["rotate"] = rotation  # what was measured, whatever the export's auto would pick
     config["output"] = args.artifacts or f"artifacts/{Path(args.output).stem}"
     return config

@@ -37,12 +37,12 @@ from composite.tune.verify import verify_chosen
 MB = 1e6
 
 
-def options_per_group(inputs, measured, model_args, group_size, rotation) -> list[list[Option]]:
+def options_per_group(inputs, measured, model_args, group_size, rotation, qnn_block) -> list[list[Option]]:
     out = []
     for group in inputs.groups:
         options = []
         for choice in inputs.choices(group):
-            stored, read = group_bytes(group, choice, model_args, group_size, rotation)
+            stored, read = group_bytes(group, choice, model_args, group_size, rotation, qnn_block)
             options.append(
                 Option(group.index, choice, stored, read, measured[(group.index, choice_name(choice))]["kld"])
             )
@@ -171,7 +171,10 @@ def read_inputs(args) -> Inputs:
 
 def smallest_bytes(args, inputs: Inputs, rotation: str) -> int:
     return sum(
-        min(group_bytes(g, c, inputs.loaded.args, args.group_size, rotation)[0] for c in inputs.choices(g))
+        min(
+            group_bytes(g, c, inputs.loaded.args, args.group_size, rotation, args.qnn_block_size)[0]
+            for c in inputs.choices(g)
+        )
         for g in inputs.groups
     )
 
@@ -184,7 +187,7 @@ def rotated(args, inputs: Inputs, rotation: str) -> Rotated:
     cache = ResultCache(cache_folder(args), measurement_settings(args, inputs, model, rotation))
     sens = Sensitivity(
         model, groups, inputs.tokenizer, inputs.bos, inputs.text, ctx, args.limit_tokens, args.score,
-        args.max_seq_len, args.prefill_len, args.group_size, args.soc,
+        args.max_seq_len, args.prefill_len, args.group_size, args.soc, {"block_size": args.qnn_block_size},
     )  # fmt: skip
     return Rotated(rotation, sens, cache)
 
@@ -193,7 +196,9 @@ def search(args, inputs: Inputs, m: Rotated, measured: dict) -> Search:
     """From one rotation's measured choices: search the frontier, measure the chosen and the
     asked-for uniform recipes whole."""
     groups, sens, cache = inputs.groups, m.sens, m.cache
-    per_group = options_per_group(inputs, measured, inputs.loaded.args, args.group_size, m.rotation)
+    per_group = options_per_group(
+        inputs, measured, inputs.loaded.args, args.group_size, m.rotation, args.qnn_block_size
+    )
     recipes = frontier(per_group)
     chosen = best_within(recipes, int(args.budget_mb * MB))  # the smallest recipe fits: checked
     uniform = uniform_recipes(groups, per_group, inputs.candidates, inputs.embedding, inputs.head)
