@@ -33,6 +33,11 @@ QUANT_DTYPES = {
 ROTATION_MODULES = "*.hidden_rotation"  # model/llama.py: FeedForward.hidden_rotation
 
 
+def rotation_precision(precision: str) -> str:
+    """The precision of the online rotation's matmuls in a shard of `precision` (module docstring)."""
+    return "16a16w" if precision.startswith("16a") else precision
+
+
 def module_path_predicate(pattern: str):
     """True for nodes inside the module named by `pattern` (fnmatch, e.g. "layers.*.attention.wo")."""
 
@@ -69,8 +74,9 @@ def quantizer_for(options: dict):
     quantizer.default_quant_config = qconfig(options["precision"])
     overrides = options.get("overrides") or {}
     rules = [(module_path_predicate(p), qconfig(v)) for p, v in overrides.items()]
-    if options["precision"].startswith("16a"):  # the first rule a node matches applies
-        rules.insert(0, (module_path_predicate(ROTATION_MODULES), qconfig("16a16w")))
+    rotation = rotation_precision(options["precision"])
+    if rotation != options["precision"]:  # the first rule a node matches applies
+        rules.insert(0, (module_path_predicate(ROTATION_MODULES), qconfig(rotation)))
     quantizer.set_submodule_qconfig_list(rules)
     if "16a4w_block" in (options["precision"], *overrides.values()):
         annotate = quantizer.annotate

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from composite.config import DEFAULT_OPTIONS, QNN_PRECISIONS
 from composite.errors import UserError
+from composite.lowering.qnn_quantizer import rotation_precision
 from composite.model.llama import ModelArgs
 from composite.model.rotation import hidden_rotation_sizes
 
@@ -198,8 +199,8 @@ def group_bytes(
         sizes = hidden_rotation_sizes(args.hidden_dim)
         if choice.backend == "xnnpack":
             per_layer += sum(4 * n * n for n in sizes)
-        else:  # 16-bit weights where the activations are (lowering/qnn_quantizer.py)
-            rotation_choice = Candidate("qnn", "16a16w") if choice.precision.startswith("16a") else choice
+        else:
+            rotation_choice = Candidate("qnn", rotation_precision(choice.precision))
             per_layer += sum(linear_bytes(n, n, rotation_choice, 0) for n in sizes)
     stored = per_layer * (group.layer_end - group.layer_start)
     return stored, stored
