@@ -1,6 +1,6 @@
 """python -m composite.deploy: push an export to a phone, run composite_runner there, pull the stats.
 
-  push --artifacts DIR   manifest, shards, tokenizer, the runner binary with every shared library
+  push --artifacts DIR   manifest, shards (and the data file they share), tokenizer, the runner binary with every shared library
                          it links that the device does not have (composite.bundle) and, for QNN
                          placements, the QNN runtime libraries the SoC needs; files whose sha256
                          already matches on the device are skipped
@@ -213,6 +213,8 @@ def plan_files(
         raise UserError(f"runner binary {runner} not found: build it ({how}) or pass --runner")
     files = [(artifacts / "manifest.json", "manifest.json")]
     files += [(artifacts / s["file"], s["file"]) for s in manifest["shards"]]
+    data_files = dict.fromkeys(s["data"]["file"] for s in manifest["shards"] if "data" in s)  # shared: once
+    files += [(artifacts / name, name) for name in data_files]
     if manifest.get("tokenizer"):
         files.append((artifacts / manifest["tokenizer"]["file"], manifest["tokenizer"]["file"]))
     files.append((runner, "composite_runner"))

@@ -177,6 +177,8 @@ def lower_all(
         path = folder / shard_file(spec)
         if result.shard.buffer:  # a job that does not share this disk sends the bytes
             path.write_bytes(result.shard.buffer)
+        if result.shard.data:
+            path.with_suffix(".ptd").write_bytes(result.shard.data)
         entry = manifest_write.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
         entries[spec.index] = {**entry, **result.facts}
         shard_cache.store(cache, keys, entries[spec.index], folder)
@@ -188,6 +190,7 @@ def lower_all(
     finally:
         progress.close()
     shards = [entries[i] for i in sorted(entries)]
+    manifest_write.merge_data_files(folder, shards)
     if not any(p.backend == "qnn" for p in placements):
         return shards, None, runs
     with watch.stage("spill-fill"):

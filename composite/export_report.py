@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from composite import manifest as manifest_schema
 from composite.config import Placement
 from composite.errors import UserError
 from composite.memory import Stopwatch, gb
@@ -126,7 +127,7 @@ def print_summary(
             f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
             f"{qnn_summary['spill_fill_bytes']} bytes"
         )
-    total = sum(s["size"] for s in shards)
+    total = manifest_schema.stored_bytes(shards)
     hits = sum(s.get("cache") == "hit" for s in shards)
     reused = f" ({hits} of them from the cache)" if hits else ""
     every, own = peak_bytes
@@ -138,7 +139,18 @@ def print_summary(
 
 def write_summary(path: Path, shards, runs: JobRuns, watch, peaks, seconds: float, output: Path) -> None:
     """--json: the summary print_summary shows, for scripts (scripts/scale_probe.py reads it)."""
-    keep = ("index", "file", "size", "layers", "backends", "cache", "spill_fill_bytes", "htp_context_bytes", "sqnr_db")
+    keep = (
+        "index",
+        "file",
+        "size",
+        "data",
+        "layers",
+        "backends",
+        "cache",
+        "spill_fill_bytes",
+        "htp_context_bytes",
+        "sqnr_db",
+    )
     document = {
         "output": str(output),
         "seconds": round(seconds, 2),

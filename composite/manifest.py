@@ -47,6 +47,10 @@ tools (the runners ignore it). Every key is written by every export unless marke
   } | null,
   "shards": [{                                                                     [R: non-empty]
      "index": int, "file": str (no '/'), "sha256": str, "size": int,              [R]
+     "data": {"file": str (no '/'), "size": int, "sha256": str},   # optional: the   [R]
+                                 # .ptd the program reads weights from (ExecuTorch's named
+                                 # data): the tied table the first and last shard share
+                                 # (lowering/shared_table.py); runners load the shard with it
      "layers": [first, end),     # decoder layers, end exclusive; continuous over  [R]
                                  # the shards and covering all n_layers
      "has_embedding": bool, "has_head": bool,   # first shard / last shard only     [R]
@@ -153,6 +157,12 @@ def memory_figures(manifest: dict) -> dict:
         for s in manifest["shards"]
     ]
     return {"kv_cache_bytes": sum(per_shard), "kv_cache_bytes_per_shard": per_shard, "decode_io_bytes_per_shard": io}
+
+
+def stored_bytes(shards: list[dict]) -> int:
+    """Bytes of an export's shard files, each data file they read counted once."""
+    data = {shard["data"]["file"]: shard["data"]["size"] for shard in shards if "data" in shard}
+    return sum(shard["size"] for shard in shards) + sum(data.values())
 
 
 def sha256_file(path: Path) -> str:
@@ -379,6 +389,14 @@ def parse(text: str, folder: str) -> dict:
             raise UserError(f"{sw}: file name must not contain '/'")
         _require_text(shard, "sha256", sw)
         _integer(_require(shard, "size", sw), f"{sw} size", 64)
+        if "data" in shard:
+            data = shard["data"]
+            if not isinstance(data, dict):
+                raise UserError(f"{sw} 'data' must name a file with its size and sha256")
+            if "/" in _require_text(data, "file", f"{sw} data"):
+                raise UserError(f"{sw}: data file name must not contain '/'")
+            _require_text(data, "sha256", f"{sw} data")
+            _integer(_require(data, "size", f"{sw} data"), f"{sw} data size", 64)
         layers = _integers(_require(shard, "layers", sw), f"{sw} layers", 32)
         if len(layers) != 2 or layers[0] != expected_layer or layers[1] < layers[0] or layers[1] > dims["n_layers"]:
             raise UserError(f"{sw}: layers do not continue the chain at layer {expected_layer}")
@@ -453,22 +471,27 @@ def weight_sharing_refusal(indices: list[int]) -> str:
 
 
 def check_files(folder: Path, manifest: dict, verify_sha256: bool = False) -> None:
-    """Every shard file exists with the recorded size (and hash, when asked)."""
+    """Every shard file, and every data file a shard reads, exists with the recorded size (and
+    hash, when asked)."""
     folder = Path(folder)
     for shard in manifest["shards"]:
-        path = folder / shard["file"]
-        if not path.is_file():
-            raise UserError(f"shard {shard['index']}: {path} is missing")
-        size = path.stat().st_size
-        if size != shard["size"]:
-            raise UserError(
-                f"shard {shard['index']}: {path} is {size} bytes but the manifest says {shard['size']} "
-                "(truncated, or from another export)"
-            )
-        if verify_sha256 and sha256_file(path) != shard["sha256"]:
-            raise UserError(
-                f"shard {shard['index']}: {path} does not match the manifest's sha256 (from another export?)"
-            )
+        for entry in (shard, shard.get("data")):
+            if entry is None:
+                continue
+            path = folder / entry["file"]
+            if not path.is_file():
+                what = "" if entry is shard else ", whose weights it reads,"
+                raise UserError(f"shard {shard['index']}: {path}{what} is missing")
+            size = path.stat().st_size
+            if size != entry["size"]:
+                raise UserError(
+                    f"shard {shard['index']}: {path} is {size} bytes but the manifest says {entry['size']} "
+                    "(truncated, or from another export)"
+                )
+            if verify_sha256 and sha256_file(path) != entry["sha256"]:
+                raise UserError(
+                    f"shard {shard['index']}: {path} does not match the manifest's sha256 (from another export?)"
+                )
     tokenizer = manifest.get("tokenizer")
     if tokenizer and not (folder / tokenizer["file"]).is_file():
         raise UserError(f"tokenizer {folder / tokenizer['file']} named by the manifest is missing")

@@ -64,7 +64,33 @@ def shard_entry(path: Path, spec, placement, lowered, io: dict, seconds: float) 
     }
     if placement.backend == "qnn":
         entry["weight_sharing"] = placement.options["weight_sharing"]
+    data = path.with_suffix(".ptd")
+    if data.is_file():  # its own weights kept outside the .pte, until merge_data_files
+        entry["data"] = file_entry(data)
     return entry
+
+
+def file_entry(path: Path) -> dict:
+    return {"file": path.name, "size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def merge_data_files(folder: Path, shards: list[dict]) -> None:
+    """The shards' own data files (shard_NN.ptd) merged into the one file they share, equal bytes
+    once (lowering/shared_table.py: the tied table); their entries then name it."""
+    readers = [shard for shard in shards if "data" in shard]
+    if not readers:
+        return
+    from composite.lowering import shared_table
+
+    merged, separate = shared_table.merge(folder, [shard["data"]["file"] for shard in readers])
+    shared = file_entry(folder / shared_table.DATA_FILE)
+    for shard in readers:
+        shard["data"] = shared
+    readers[0]["notes"] = [
+        *readers[0]["notes"],
+        f"{shared['file']}: {merged / 1e6:.2f} MB shared by shards {', '.join(str(s['index']) for s in readers)} "
+        f"({separate / 1e6:.2f} MB as separate files)",
+    ]
 
 
 def document(

@@ -1,6 +1,6 @@
 """A cache of lowered shards, so a re-export lowers only the shards whose inputs changed.
 
-An entry is a shard's .pte and its manifest entry, under a key that hashes everything that
+An entry is a shard's .pte (and the .ptd of the weights it keeps outside it) and its manifest entry, under a key that hashes everything that
 decides those bytes: the shard's ShardWork (lowering/work.py, every field: its layers, placement
 and options, rotation, methods, the embedding's quantization, the checkpoint tensors it is made
 of as the file stores them, and for a QNN shard its calibration calls and the float model that
@@ -36,7 +36,7 @@ from composite.errors import UserError
 
 SCHEMA = 1
 DEFAULT_MAX_MB = 20480
-ENTRY_FILE, PTE_FILE = "entry.json", "shard.pte"
+ENTRY_FILE, PTE_FILE, DATA_FILE = "entry.json", "shard.pte", "shard.ptd"  # .ptd: weights kept outside
 # What a manifest entry says about its place in one export, not about the shard's bytes.
 PLACE_KEYS = ("index", "file", "export_seconds", "cache")
 
@@ -149,14 +149,25 @@ class ShardCache:
             shutil.copyfile(entry_dir / PTE_FILE, target)
             if target.stat().st_size != entry["size"] or manifest_schema.sha256_file(target) != entry["sha256"]:
                 raise ValueError("its .pte does not match its recorded size and sha256")
+            if "data" in entry:
+                data = target.with_suffix(".ptd")
+                entry["data"] = {**entry["data"], "file": data.name}
+                shutil.copyfile(entry_dir / DATA_FILE, data)
+                if (
+                    data.stat().st_size != entry["data"]["size"]
+                    or manifest_schema.sha256_file(data) != entry["data"]["sha256"]
+                ):
+                    raise ValueError("its .ptd does not match its recorded size and sha256")
             from executorch.runtime import Runtime
 
             manifest_schema.check_against_program(Runtime.get().load_program(target), {**entry, "index": "?"})
         except FileNotFoundError:
             target.unlink(missing_ok=True)
+            target.with_suffix(".ptd").unlink(missing_ok=True)
             return None  # evicted by another export while being read
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             target.unlink(missing_ok=True)
+            target.with_suffix(".ptd").unlink(missing_ok=True)
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"warning: dropped a corrupt cache entry {entry_dir} ({reason}); lowering it again", file=sys.stderr)
             self._remove(entry_dir)
@@ -170,6 +181,8 @@ class ShardCache:
             self.root.mkdir(parents=True, exist_ok=True)
             private = staging.unfinished(Path(tempfile.mkdtemp(prefix=".new-", dir=self.root)))
             shutil.copyfile(pte, private / PTE_FILE)
+            if "data" in entry:
+                shutil.copyfile(pte.with_suffix(".ptd"), private / DATA_FILE)
             stored = {k: v for k, v in entry.items() if k not in PLACE_KEYS}
             (private / ENTRY_FILE).write_text(json.dumps(stored))
             target = self._folder(key)

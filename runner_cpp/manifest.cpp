@@ -249,6 +249,14 @@ ShardInfo parse_shard(const json& s, size_t i, size_t count, int expected_layer,
   if (info.file.find('/') != std::string::npos) throw RunnerError(sw + ": file name must not contain '/'");
   info.sha256 = require_text(s, "sha256", sw);
   info.size = integer<int64_t>(require(s, "size", sw), sw + " size");
+  if (s.contains("data")) {
+    const json& data = s.at("data");
+    if (!data.is_object()) throw RunnerError(sw + " 'data' must name a file with its size and sha256");
+    info.data_file = require_text(data, "file", sw + " data");
+    if (info.data_file.find('/') != std::string::npos) throw RunnerError(sw + ": data file name must not contain '/'");
+    info.data_sha256 = require_text(data, "sha256", sw + " data");
+    info.data_size = integer<int64_t>(require(data, "size", sw + " data"), sw + " data size");
+  }
   auto layers = integers<int>(require(s, "layers", sw), sw + " layers");
   if (layers.size() != 2 || layers[0] != expected_layer || layers[1] < layers[0] || layers[1] > m.n_layers) {
     throw RunnerError(sw + ": layers do not continue the chain at layer " + std::to_string(expected_layer));
@@ -429,18 +437,29 @@ std::string sha256_bytes(const std::string& data) {
   return hex_digest(ctx.get());
 }
 
+namespace {
+
+void check_file(const std::string& label, const std::string& path, const std::string& what, int64_t size,
+                const std::string& sha256, bool verify_sha256) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) throw RunnerError(label + path + what + " is missing");
+  if (st.st_size != size) {
+    throw RunnerError(label + path + " is " + std::to_string(st.st_size) + " bytes but the manifest says " +
+                      std::to_string(size) + " (truncated, or from another export)");
+  }
+  if (verify_sha256 && sha256_file(path) != sha256) {
+    throw RunnerError(label + path + " does not match the manifest's sha256 (from another export?)");
+  }
+}
+
+}  // namespace
+
 void check_files(const Manifest& m, bool verify_sha256) {
   for (const ShardInfo& s : m.shards) {
-    const std::string path = m.path_of(s.file);
-    struct stat st {};
     const std::string label = "shard " + std::to_string(s.index) + ": ";
-    if (stat(path.c_str(), &st) != 0) throw RunnerError(label + path + " is missing");
-    if (st.st_size != s.size) {
-      throw RunnerError(label + path + " is " + std::to_string(st.st_size) + " bytes but the manifest says " +
-                        std::to_string(s.size) + " (truncated, or from another export)");
-    }
-    if (verify_sha256 && sha256_file(path) != s.sha256) {
-      throw RunnerError(label + path + " does not match the manifest's sha256 (from another export?)");
+    check_file(label, m.path_of(s.file), "", s.size, s.sha256, verify_sha256);
+    if (!s.data_file.empty()) {
+      check_file(label, m.path_of(s.data_file), ", whose weights it reads,", s.data_size, s.data_sha256, verify_sha256);
     }
   }
   if (!m.tokenizer_file.empty()) {

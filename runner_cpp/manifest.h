@@ -34,6 +34,10 @@ struct ShardInfo {
   std::string file;
   std::string sha256;
   int64_t size = 0;
+  // The .ptd the program reads weights from (the tied table shared by the first and last shard);
+  // empty when it keeps all of them in its .pte.
+  std::string data_file, data_sha256;
+  int64_t data_size = 0;
   int layer_first = 0;
   int layer_end = 0;  // exclusive
   bool has_embedding = false;
@@ -83,7 +87,8 @@ Manifest parse_manifest(const std::string& json_text, const std::string& folder)
 // A "chat" entry: the manifest's, or a runner's --chat_template file.
 ChatTemplate parse_chat(const nlohmann::json& chat, const std::string& where);
 
-// Every shard file exists with its recorded size; with verify_sha256, its hash matches too.
+// Every shard file, and every data file a shard reads, exists with its recorded size; with
+// verify_sha256, its hash matches too.
 void check_files(const Manifest& manifest, bool verify_sha256);
 
 std::string sha256_file(const std::string& path);

@@ -150,7 +150,10 @@ ShardChain::ShardChain(Manifest manifest)
                           ", which this runtime has no kernel for");
       }
     }
-    auto module = std::make_unique<Module>(m.path_of(shard.file), Module::LoadMode::Mmap);
+    // A shard that reads weights from a data file (the shared tied table) is given it as its data map.
+    auto module = shard.data_file.empty() ? std::make_unique<Module>(m.path_of(shard.file), Module::LoadMode::Mmap)
+                                          : std::make_unique<Module>(m.path_of(shard.file), m.path_of(shard.data_file),
+                                                                     Module::LoadMode::Mmap);
     if (module->load() != Error::Ok) {
       throw RunnerError("shard " + std::to_string(shard.index) + ": ExecuTorch cannot load " + m.path_of(shard.file) +
                         " (corrupt, or built for backends this runner lacks)");

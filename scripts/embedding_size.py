@@ -28,7 +28,7 @@ from composite.config import DEFAULT_OPTIONS, build_config
 from composite.export import run_export
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import quantize_linears, xnnpack_form
-from composite.manifest import method_widths
+from composite.manifest import method_widths, stored_bytes
 from composite.model.checkpoint import load_checkpoint
 from composite.runtime.chain import ShardChain, eager_chain
 from composite.runtime.generate import generate
@@ -103,11 +103,11 @@ def main() -> None:
     paths = with_planted_head(write_workload(DIMS["stories110m"], work / "checkpoint"), work / "planted")
     prompt = list(range(1, 65))
     base = export(paths, work / "8da4w", "none")
-    base_size = sum(s["size"] for s in base["shards"])
+    base_size = stored_bytes(base["shards"])
     print(f"8da4w alone: {base_size / 1e6:.1f} MB")
     for setting in args.settings:
         manifest = export(paths, work / f"8da4w_embedding_{setting.replace(',', '_')}", setting)
-        size = sum(s["size"] for s in manifest["shards"])
+        size = stored_bytes(manifest["shards"])
         ours = generate(
             ShardChain(work / f"8da4w_embedding_{setting.replace(',', '_')}"), prompt, 32, Sampler(), keep_logits=True
         )

@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from composite.errors import UserError, exits_cleanly  # noqa: E402
+from composite.manifest import stored_bytes  # noqa: E402
 from composite.model.checkpoint import load_checkpoint  # noqa: E402
 
 # XNNPACK rows: the embedding alone in shard 0, the layers in two more (--layers-per-shard is set per
@@ -234,7 +235,7 @@ def measure_row(row: str, flags: list[str], checkpoint: Path, text: Path, ctx: i
     evaluate += ["--ctx", str(ctx), "--limit-tokens", str(limit), "--score", "second-half"]
     result = json.loads(run([*evaluate, "--reference", "eager", "--json"]))
     manifest = json.loads((folder / "manifest.json").read_text())
-    return row, sum(shard["size"] for shard in manifest["shards"]) / 1e6, result
+    return row, stored_bytes(manifest["shards"]) / 1e6, result
 
 
 def checkpoint_files(path: Path) -> tuple[str, dict[str, bytes]]:

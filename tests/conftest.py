@@ -109,6 +109,17 @@ def prompt_tokens_in_both_runners(export: Path, prompt: str, *flags: str) -> int
     return counts[0]
 
 
+def runner_tokens(export: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The tokens composite_runner generates, greedily, after `prompt_ids` (its stats' tokens)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        stats = Path(scratch) / "stats.json"
+        args = ["--artifacts", str(export), "--prompt_ids", ",".join(map(str, prompt_ids))]
+        args += ["--max_new_tokens", str(max_new_tokens), "--stats_json", str(stats)]
+        result = subprocess.run([str(RUNNER), *args], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return json.loads(stats.read_text())["tokens"]
+
+
 def one_error_line(result: subprocess.CompletedProcess) -> str:
     """Exit 2 with exactly one `error:` line, and no traceback or crash; returns that line."""
     assert result.returncode == 2, (result.returncode, result.stdout + result.stderr)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -18,7 +17,16 @@ from composite.runtime.chain import ShardChain
 from composite.runtime.generate import generate
 from composite.runtime.reference import generate_reference
 from composite.runtime.sampler import Sampler
-from conftest import MAX_SEQ_LEN, PREFILL_LEN, RUNNER, assert_clean_failure, export, lower_here, run_cli, runner_built
+from conftest import (
+    MAX_SEQ_LEN,
+    PREFILL_LEN,
+    assert_clean_failure,
+    export,
+    lower_here,
+    run_cli,
+    runner_built,
+    runner_tokens,
+)
 
 
 def test_8da4w_shards(default_8da4w_export, default_exports):
@@ -64,16 +72,7 @@ def test_quantized_embedding_generates_what_its_table_gives_in_eager(workdir, de
     assert ours.tokens == reference.tokens
     assert max((ours.logits[p] - reference.logits[p]).abs().max().item() for p in ours.logits) < 1e-4
     if runner_built():
-        stats = folder / "stats.json"
-        ids = ",".join(map(str, prompt))
-        result = subprocess.run(
-            [str(RUNNER), "--artifacts", str(folder), "--prompt_ids", ids, "--max_new_tokens", "16"]
-            + ["--stats_json", str(stats)],
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr
-        assert json.loads(stats.read_text())["tokens"] == reference.tokens
+        assert runner_tokens(folder, prompt, 16) == reference.tokens
 
 
 @pytest.mark.parametrize(

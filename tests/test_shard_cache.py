@@ -237,6 +237,7 @@ def test_each_field_of_a_shards_work_changes_its_key():
         "embedding_quantize": (4, 32),
         "head_shard": work.head_shard + 1,
         "calls": work.calls[:-1],
+        "shared_table": "symmetric",
         "stream": TensorWeights(changed_table),  # the float model before the shard decides it
     }
     base = export_keys([work])[1]

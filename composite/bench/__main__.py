@@ -24,6 +24,7 @@ from pathlib import Path
 from composite.bench import llama_cpp, peer
 from composite.bench.workload import DIMS, Dims, prompt_ids, write_workload
 from composite.errors import UserError, exits_cleanly
+from composite.manifest import stored_bytes
 from composite.report import read_stats, render
 from composite.shard_cache import source_fingerprint
 
@@ -170,7 +171,7 @@ def export_ours(
     print(f"ours {shards} shard(s) {quant}: composite export (cached in {folder})", flush=True)
     seconds = _cached(folder, key, build)
     manifest = json.loads((artifacts / "manifest.json").read_text())
-    size = sum(s["size"] for s in manifest["shards"])
+    size = stored_bytes(manifest["shards"])
     name = f"ours {shards} {quant}" + (" graph" if attention == "graph" else "")
     return Config(name, "ours", quant, shards, artifacts, seconds, size)
 

@@ -2,7 +2,8 @@
 float16 scale per row or per group of columns, looked up by ExecuTorch's quantized embedding
 kernels (quantized_decomposed::embedding_byte / embedding_4bit), which composite_runner links and
 composite.run loads. With tied embeddings the head keeps its own copy of the matrix, quantized as
-its shard's linears are."""
+its shard's linears are, unless the table is stored once (lowering/shared_table.py): the 8-bit
+lookup then holds the head's own int8 matrix and float32 scales."""
 
 from __future__ import annotations
 
@@ -26,20 +27,29 @@ class QuantizedEmbedding(nn.Module):
 
     ROW_BLOCK = 8192  # rows quantized at once: the float temporaries of a block, not of the table
 
-    def __init__(self, table: torch.Tensor, bits: int, group_size: int):
+    def __init__(self, table: torch.Tensor | None, bits: int, group_size: int, quantized=None):
+        """quantized: (int8 [vocab, dim], scales [vocab]) already made (8-bit, a scale per row)
+        instead of `table` quantized here."""
         super().__init__()
         load_kernels()
-        vocab, dim = table.shape
-        group = group_size or dim
-        packed = torch.empty((vocab, dim // 2 if bits == 4 else dim), dtype=torch.uint8 if bits == 4 else torch.int8)
-        scales = torch.empty((vocab, dim // group), dtype=torch.float16)
-        for start in range(0, vocab, self.ROW_BLOCK):
-            rows = slice(start, start + self.ROW_BLOCK)
-            packed[rows], scales[rows] = quantize_rows(table.detach()[rows], bits, group)
+        if quantized is not None:
+            packed, scales = quantized
+            bits, group = 8, packed.shape[1]
+        else:
+            vocab, dim = table.shape
+            group = group_size or dim
+            packed = torch.empty(
+                (vocab, dim // 2 if bits == 4 else dim), dtype=torch.uint8 if bits == 4 else torch.int8
+            )
+            scales = torch.empty((vocab, dim // group), dtype=torch.float16)
+            for start in range(0, vocab, self.ROW_BLOCK):
+                rows = slice(start, start + self.ROW_BLOCK)
+                packed[rows], scales[rows] = quantize_rows(table.detach()[rows], bits, group)
+            scales = scales if scales.shape[1] > 1 else scales[:, 0].contiguous()
         self.bits, self.group = bits, group
         self.output_dtype = torch.float32  # float16 in an fp16 shard, whose hidden state is float16
         self.register_buffer("weight", packed)
-        self.register_buffer("scales", scales if scales.shape[1] > 1 else scales[:, 0].contiguous())
+        self.register_buffer("scales", scales)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.bits == 4:
@@ -85,18 +95,29 @@ def check(dim: int, bits: int, group_size: int) -> None:
         raise UserError("embedding_quantize 4-bit packs two values per byte: the group size must be even")
 
 
-def quantize(shard, bits: int, group_size: int, head_shard: int, tied: bool) -> list[str]:
-    """Swaps the shard's embedding for its quantized form; -> notes on the bytes of each copy."""
+def quantize(
+    shard, bits: int, group_size: int, head_shard: int, tied: bool, shared_mapping: str | None = None
+) -> list[str]:
+    """Swaps the shard's embedding for its quantized form; -> notes on the bytes of each copy.
+    shared_mapping: the table is stored once with the head's (lowering/shared_table.py), quantized
+    as the head is with this torchao weight mapping."""
     table = shard.tok_embeddings.weight
     check(table.shape[1], bits, group_size)
-    quantized = QuantizedEmbedding(table, bits, group_size)
+    if shared_mapping is not None:
+        from composite.lowering import shared_table
+
+        quantized = QuantizedEmbedding(None, bits, group_size, shared_table.quantized_as_head(table, shared_mapping))
+    else:
+        quantized = QuantizedEmbedding(table, bits, group_size)
     shard.tok_embeddings = quantized
     grouping = f"groups of {group_size}" if group_size else "one scale per row"
     notes = [
         f"embedding {bits}-bit, {grouping}: {quantized.stored_bytes() / 1e6:.2f} MB "
         f"(float32 {table.numel() * 4 / 1e6:.2f} MB)"
     ]
-    if tied:
+    if shared_mapping is not None:
+        notes.append(f"tied embeddings: the table is stored once, shared with the head in shard {head_shard}")
+    elif tied:
         notes.append(
             f"tied embeddings: the head in shard {head_shard} keeps its own copy "
             f"({table.numel() * 4 / 1e6:.2f} MB as float32, quantized as that shard's linears are)"

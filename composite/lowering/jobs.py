@@ -13,6 +13,7 @@ import dataclasses
 import json
 
 from composite.executor import Job, Result
+from composite.lowering import shared_table
 from composite.lowering.calibration import calibration_calls, effective_options, has_block_weights
 from composite.lowering.task import float_task, lower_task
 from composite.lowering.weight_rounding import moment_bytes
@@ -65,6 +66,7 @@ def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[Sh
     methods = method_widths(config.prefill_len)
     calls_by_settings: dict[str, list] = {}
     works = []
+    shared = shared_table.head_mapping(loaded.args, config, placements, specs)
     for spec, placement in zip(specs, placements):
         calls = None
         if placement.backend == "qnn":
@@ -86,6 +88,7 @@ def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[Sh
                 config.embedding_bits_and_group() if spec.has_embedding else None,
                 specs[-1].index,
                 calls,
+                shared_table=shared if spec.has_embedding or spec.has_head else None,
             )
         )
     return works

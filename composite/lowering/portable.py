@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from composite.lowering import shared_table
 from composite.lowering.program import Lowered, export_methods, finish, timed
 from composite.lowering.work import ShardWork, load_shard
 
@@ -18,5 +19,5 @@ def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
         edge = to_edge_transform_and_lower(export_methods(module, work.examples()))
         del module
     with timed(stages, "serialize"):
-        shard = finish(edge, notes)
+        shard = finish(edge, notes, external=shared_table.tag_lookup if work.shared_table else None)
     return Lowered(shard, {})

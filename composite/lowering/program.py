@@ -3,10 +3,12 @@ every backend shares (composite.lowering dispatches to the backends)."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,7 @@ class LoweredShard:
     delegates: dict[str, dict[str, int]]  # method -> backend id -> number of delegate calls
     cpu_ops: dict[str, list[str]]  # method -> operators run by ExecuTorch's CPU kernels
     notes: list[str]  # e.g. linears left unquantized
+    data: bytes = b""  # the .ptd of the weights it keeps outside the .pte (lowering/shared_table.py)
 
     @property
     def backends(self) -> list[str]:
@@ -62,14 +65,18 @@ def inspect_program(manager) -> tuple[dict, dict]:
     return delegates, cpu_ops
 
 
-def executorch_config(planning: dict | None = None):
+def executorch_config(planning: dict | None = None, external=None):
     """Graph inputs are not memory-planned: runners bind their own buffers (the KV cache above all)
     as method inputs, so nothing is copied into the program's arena on each call. planning: method
-    -> a memory-planning pass of its own (quantized I/O), which must not plan inputs either."""
+    -> a memory-planning pass of its own (quantized I/O), which must not plan inputs either.
+    external: node -> data-file tag or None, for constants kept outside the .pte."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
-    return ExecutorchBackendConfig(memory_planning_pass=planning or MemoryPlanningPass(alloc_graph_input=False))
+    return ExecutorchBackendConfig(
+        memory_planning_pass=planning or MemoryPlanningPass(alloc_graph_input=False),
+        external_constants=external or False,
+    )
 
 
 def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) -> dict:
@@ -77,7 +84,20 @@ def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) ->
         return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
 
 
-def finish(edge, notes: list[str], planning: dict | None = None) -> LoweredShard:
-    manager = edge.to_executorch(executorch_config(planning))
+def finish(edge, notes: list[str], planning: dict | None = None, external=None, outside: bool = False) -> LoweredShard:
+    """external: ExecutorchBackendConfig's external_constants (which constants leave the .pte);
+    outside: the program keeps weights in a data file (external constants, or a delegate's tagged
+    named data), whose bytes come back as .data."""
+    manager = edge.to_executorch(executorch_config(planning, external))
     delegates, cpu_ops = inspect_program(manager)
-    return LoweredShard(manager.buffer, delegates, cpu_ops, notes)
+    data = b""
+    if outside or external is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            manager.write_tensor_data_to_file(folder)
+            files = sorted(Path(folder).glob("*.ptd"))
+            if len(files) > 1:
+                raise RuntimeError(
+                    f"a shard's program keeps its weights in {len(files)} data files; the export writes one"
+                )
+            data = files[0].read_bytes() if files else b""
+    return LoweredShard(manager.buffer, delegates, cpu_ops, notes, data)

@@ -37,7 +37,7 @@ from composite.lowering.work import ShardWork, load_shard
 @dataclass
 class ShardLowered:
     index: int
-    shard: LoweredShard  # .buffer: the .pte bytes (empty when the task wrote them to work.output)
+    shard: LoweredShard  # .buffer: the .pte bytes, .data its .ptd's (empty when the task wrote them beside work.output)
     io: dict  # the manifest's description of its methods' inputs and outputs (checked against the program)
     stages: dict[str, float]  # where the task's time went: read, lower, serialize, calibrate, measure
     where: str  # host:pid of the process that ran it
@@ -83,6 +83,9 @@ def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | 
         if work.output is not None:  # written here: the bytes need not travel back
             Path(work.output).write_bytes(lowered.shard.buffer)
             lowered.shard.buffer = b""
+            if lowered.shard.data:
+                Path(work.output).with_suffix(".ptd").write_bytes(lowered.shard.data)
+                lowered.shard.data = b""
         return ShardLowered(work.spec.index, lowered.shard, described, stages, here(), lowered.facts)
 
 

@@ -47,6 +47,9 @@ class ShardWork:
     stream: list | None = None  # a QNN shard's input per call, from the float model (None: tokens)
     next_stream: list | None = None  # ...and its float output per call (the next shard's input)
     output: str | None = None  # where to write the .pte, where the task shares the export's disk
+    # The head's weight mapping when the tied table is stored once (lowering/shared_table.py): the
+    # first shard's lookup is quantized as the head is, and both keep it in the shared data file.
+    shared_table: str | None = None
 
     @property
     def methods(self) -> dict[str, int]:
@@ -98,6 +101,7 @@ class ShardWork:
             "prefill_len": self.prefill_len,
             "embedding_quantize": self.embedding_quantize,
             "head_shard": self.head_shard,
+            "shared_table": self.shared_table,
             "calls": calls_digest(self.calls) if calibrated else None,
             "stream": float_model(spec.layer_start),
             "next_stream": float_model(spec.layer_end),
@@ -127,18 +131,20 @@ def load_shard(
     with torch.device("meta"):
         model = Transformer(args)
     model.inv_freq = rope_inv_freq(args)
+    float_table = None  # a tied head's weight: the table as read, before the lookup quantizes it
     for unit in units(spec):
         embedding, head = unit == "embedding", unit == "head"
         layers = range(unit, unit + 1) if isinstance(unit, int) else range(0)
         tied_here = head and args.tie_embeddings and spec.has_embedding and work.rotation == "none"
         if tied_here:  # one table for both, as Transformer ties them (a rotated head gets its own)
             part = build_model(args, work.weights.read(part_names(args, False, layers, False) + ["norm.weight"]), False)
-            part.output.weight = model.tok_embeddings.weight
+            part.output.weight = float_table
         else:
             part = build_model(args, work.weights.read(part_names(args, embedding, layers, head)), embedding)
         rotate(part, work.rotation)
         if embedding:
             model.tok_embeddings = part.tok_embeddings
+            float_table = part.tok_embeddings.weight if spec.has_head else None
         elif head:
             model.norm, model.output = part.norm, part.output
         else:
@@ -146,9 +152,13 @@ def load_shard(
         del part
         if embedding and work.embedding_quantize is not None:
             bits, group = work.embedding_quantize
-            found = embedding_table.quantize(model, bits, group, work.head_shard, args.tie_embeddings)
+            found = embedding_table.quantize(
+                model, bits, group, work.head_shard, args.tie_embeddings, work.shared_table
+            )
             if notes is not None:
                 notes.extend(found)
+        if head:
+            float_table = None
         if each_unit is not None:
             each_unit(model, unit)
     return ShardModule(model, spec).eval()

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from composite.lowering import native_io
+from composite.lowering import native_io, shared_table
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.program import Lowered, export_methods, finish, timed
 from composite.lowering.work import ShardWork, load_shard
@@ -261,18 +261,30 @@ def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
 
     with timed(stages, "read+quantize"):
         module = load_shard(work, quantize_unit if quantized else None, notes)
+    shared_head = work.shared_table is not None and work.spec.has_head
     with timed(stages, "lower"):
-        edge, lowering_notes, encodings = lower_module(module, work.examples(), work.names(), options, quantized)
+        edge, lowering_notes, encodings = lower_module(
+            module, work.examples(), work.names(), options, quantized, shared_head
+        )
         del module
     with timed(stages, "serialize"):
-        shard = finish(edge, fp32_note(skipped, options) + lowering_notes + notes)
+        lookup = shared_table.tag_lookup if work.shared_table is not None and work.spec.has_embedding else None
+        shard = finish(
+            edge,
+            fp32_note(skipped, options) + lowering_notes + notes,
+            external=lookup,
+            outside=work.shared_table is not None,
+        )
     return Lowered(shard, encodings)
 
 
-def lower_module(module, example_inputs: dict, names: dict, options: dict, prequantized: bool = False):
+def lower_module(
+    module, example_inputs: dict, names: dict, options: dict, prequantized: bool = False, shared_head: bool = False
+):
     """`module` (a shard) as XNNPACK's edge program. -> (EdgeProgramManager, notes, method -> ("in" | "out", name) -> Encoding of the native I/O
     that is not float32). names: method -> (input names, output names). prequantized: the module's
-    linears are already quantized as options say (a copy is quantized otherwise).
+    linears are already quantized as options say (a copy is quantized otherwise). shared_head: the
+    head's int8 weight is the tied table stored once, kept outside the .pte (lowering/shared_table.py).
 
     With attention "kernel", the one-token method (decode) calls composite::attention; wider
     methods (prefill) keep the graph's batched matmuls, which XNNPACK runs faster over many rows.
@@ -296,5 +308,6 @@ def lower_module(module, example_inputs: dict, names: dict, options: dict, prequ
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    passes = [shared_table.tag_head] if shared_head else None
+    edge = to_edge_transform_and_lower(exported, transform_passes=passes, partitioner=[XnnpackPartitioner()])
     return edge, notes, encodings

@@ -126,7 +126,8 @@ class ShardChain(Chain):
         for shard in self.manifest["shards"]:
             path = self.folder / shard["file"]
             try:
-                program = runtime.load_program(path)
+                data = self.folder / shard["data"]["file"] if "data" in shard else None
+                program = runtime.load_program(path, data_path=data)
             except (RuntimeError, ValueError) as e:
                 raise UserError(f"shard {shard['index']}: ExecuTorch cannot load {path}: {e}") from None
             try:
