@@ -80,10 +80,10 @@ def merge_data_files(folder: Path, shards: list[dict]) -> None:
     readers = [shard for shard in shards if "data" in shard]
     if not readers:
         return
-    from composite.lowering import shared_table
+    from composite.lowering import data_files
 
-    merged, separate = shared_table.merge(folder, [shard["data"]["file"] for shard in readers])
-    shared = file_entry(folder / shared_table.DATA_FILE)
+    merged, separate = data_files.merge(folder, [shard["data"]["file"] for shard in readers])
+    shared = file_entry(folder / data_files.DATA_FILE)
     for shard in readers:
         shard["data"] = shared
     readers[0]["notes"] = [

@@ -11,10 +11,10 @@ programs keep the int8 matrix outside the .pte, tagged for the export's data fil
 - the head's weight as XNNPACK's named data (the delegate's `delegate_constant_tag`, keyed by the
   sha256 of its bytes).
 Each lowering job writes its program's data beside its .pte (shard_NN.ptd); the export then
-merges them into one DATA_FILE, where ExecuTorch's named-data store keeps equal bytes once (as it
-does within one program, where one shard holds both), and
-every shard that reads it names it in the manifest (`data_file`). Both runners load each such
-shard with that file as its data map.
+merges them into one DATA_FILE (data_files.py), where ExecuTorch's named-data store keeps equal
+bytes once (as it does within one program, where one shard holds both), and every shard that
+reads it names it in the manifest (`data`). Both runners load each such shard with that file as
+its data map.
 
 Not shared (each shard keeps its own copy, as before): untied checkpoints, a lookup or head in
 another format (4-bit, float, an fp16 or QNN head), and a rotated
@@ -82,30 +82,3 @@ def tag_head(graph_module: torch.fx.GraphModule):
             node.meta.setdefault("custom", {})["delegate_constant_tag"] = TAG
             tagged = True
     return PassResult(graph_module, tagged)
-
-
-def merge(folder, files: list[str]) -> tuple[int, int]:
-    """The shards' data files (`files`, in `folder`) merged into folder/DATA_FILE, equal bytes kept
-    once, and removed. -> (bytes of the merged file, bytes the shards' files held together)."""
-    from executorch.exir._serialize._cord import Cord
-    from executorch.exir._serialize._named_data_store import NamedDataStore
-    from executorch.exir._serialize.data_serializer import DataPayload
-    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
-
-    serializer = FlatTensorSerializer()
-    store = NamedDataStore()
-    separate = 0
-    for name in files:
-        blob = (folder / name).read_bytes()
-        separate += len(blob)
-        payload = serializer.deserialize(Cord(blob))
-        for key, entry in payload.named_data.items():
-            data = bytes(payload.buffers[entry.buffer_index])
-            store.add_named_data(key, data, entry.alignment, tensor_layout=entry.tensor_layout)
-        del blob, payload
-    merged = store.get_named_data_store_output()
-    with open(folder / DATA_FILE, "wb") as f:
-        serializer.serialize(DataPayload(merged.buffers, merged.pte_data)).write_to_file(f)
-    for name in files:
-        (folder / name).unlink()
-    return (folder / DATA_FILE).stat().st_size, separate
