@@ -36,6 +36,7 @@ def lpbq_scales(weight: torch.Tensor, block: int, qmax: int = 7, clip: tuple[flo
     top = unclipped.amax(-1, keepdim=True)
     best_error = torch.full((out,), float("inf"))
     best = torch.empty_like(unclipped)
+    rounded = torch.empty_like(w)  # one buffer for every candidate's rounding (in place: no page faults)
     for fraction in clip:
         unit = top * fraction / STEPS  # [out, 1]
         least = torch.ceil(unclipped / unit).clamp(1, STEPS)
@@ -44,7 +45,9 @@ def lpbq_scales(weight: torch.Tensor, block: int, qmax: int = 7, clip: tuple[flo
             # a block that needs the full scale keeps it: the channel's grid is k / STEPS of it
             k = torch.where(least == STEPS, least, (least - lower).clamp(min=1))
             scale = k * unit
-            error = (w - (w / scale.unsqueeze(-1)).round().clamp(-qmax, qmax) * scale.unsqueeze(-1)).square().sum(-1)
+            torch.div(w, scale.unsqueeze(-1), out=rounded)
+            rounded.round_().clamp_(-qmax, qmax).mul_(scale.unsqueeze(-1)).sub_(w).square_()
+            error = rounded.sum(-1)
             if chosen_error is None:
                 chosen_error = error
             else:
