@@ -37,7 +37,7 @@ from composite.export_report import JobProgress, JobRuns, print_summary, write_s
 from composite.lowering import embedding
 from composite.lowering.htp_limits import check_placement, layer_capacity
 from composite.lowering.jobs import lowering_jobs, shard_file, shard_works
-from composite.lowering.task import ShardLowered, lower_task
+from composite.lowering.task import ShardLowered, lower_task, merge_data_files, write_files
 from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo, memory_budget
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes
@@ -175,10 +175,7 @@ def lower_all(
         result: ShardLowered = finished.result
         spec, placement = specs[result.index], placements[result.index]
         path = folder / shard_file(spec)
-        if result.shard.buffer:  # a job that does not share this disk sends the bytes
-            path.write_bytes(result.shard.buffer)
-        if result.shard.data:
-            path.with_suffix(".ptd").write_bytes(result.shard.data)
+        write_files(result.shard, path)  # from a job that does not share this disk
         entry = manifest_write.shard_entry(path, spec, placement, result.shard, result.io, finished.seconds)
         entries[spec.index] = {**entry, **result.facts}
         shard_cache.store(cache, keys, entries[spec.index], folder)
@@ -190,7 +187,7 @@ def lower_all(
     finally:
         progress.close()
     shards = [entries[i] for i in sorted(entries)]
-    manifest_write.merge_data_files(folder, shards)
+    merge_data_files(folder, shards)
     if not any(p.backend == "qnn" for p in placements):
         return shards, None, runs
     with watch.stage("spill-fill"):
@@ -229,7 +226,7 @@ def build_manifest(
         chat=chat,
         shards=shards,
         qnn=qnn_summary,
-        versions=manifest_schema.versions(),
+        versions=manifest_write.versions(),
     )
 
 

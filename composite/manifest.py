@@ -495,19 +495,3 @@ def check_files(folder: Path, manifest: dict, verify_sha256: bool = False) -> No
     tokenizer = manifest.get("tokenizer")
     if tokenizer and not (folder / tokenizer["file"]).is_file():
         raise UserError(f"tokenizer {folder / tokenizer['file']} named by the manifest is missing")
-
-
-def versions() -> dict:
-    """The versions an export is made with (recorded in the manifest, and part of the cache keys)."""
-    import executorch.version
-    import torch
-    import torchao
-
-    import composite
-
-    return {
-        "composite": composite.__version__,
-        "torch": torch.__version__,
-        "executorch": executorch.version.__version__,
-        "torchao": torchao.__version__,
-    }

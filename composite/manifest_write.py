@@ -74,25 +74,6 @@ def file_entry(path: Path) -> dict:
     return {"file": path.name, "size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def merge_data_files(folder: Path, shards: list[dict]) -> None:
-    """The shards' own data files (shard_NN.ptd) merged into the one file they share, equal bytes
-    once (lowering/shared_table.py: the tied table); their entries then name it."""
-    readers = [shard for shard in shards if "data" in shard]
-    if not readers:
-        return
-    from composite.lowering import data_files
-
-    merged, separate = data_files.merge(folder, [shard["data"]["file"] for shard in readers])
-    shared = file_entry(folder / data_files.DATA_FILE)
-    for shard in readers:
-        shard["data"] = shared
-    readers[0]["notes"] = [
-        *readers[0]["notes"],
-        f"{shared['file']}: {merged / 1e6:.2f} MB shared by shards {', '.join(str(s['index']) for s in readers)} "
-        f"({separate / 1e6:.2f} MB as separate files)",
-    ]
-
-
 def document(
     *,
     export_id: str,
@@ -140,3 +121,19 @@ def document(
 def write(folder: Path, manifest: dict) -> None:
     text = json.dumps(_standard_json(manifest), indent=1, allow_nan=False)
     (folder / FILENAME).write_text(text + "\n", encoding="utf-8")
+
+
+def versions() -> dict:
+    """The versions an export is made with (recorded in the manifest, and part of the cache keys)."""
+    import executorch.version
+    import torch
+    import torchao
+
+    import composite
+
+    return {
+        "composite": composite.__version__,
+        "torch": torch.__version__,
+        "executorch": executorch.version.__version__,
+        "torchao": torchao.__version__,
+    }

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from composite import manifest as manifest_schema
-from composite import staging
+from composite import manifest_write, staging
 from composite.errors import UserError
 
 SCHEMA = 1
@@ -83,7 +83,7 @@ def export_keys(works: list) -> dict[int, str]:
             known.update(works[0].weights.digests(missing))
         return {name: known[name] for name in names}
 
-    code = qnn_code = {"versions": manifest_schema.versions(), "source": source_fingerprint()}
+    code = qnn_code = {"versions": manifest_write.versions(), "source": source_fingerprint()}
     if any(work.placement.backend == "qnn" for work in works):
         from composite import qnn_host
 

@@ -134,7 +134,7 @@ def keys_for(loaded, placements: list[str], calibration: dict | None = None) -> 
 def test_keys_change_with_a_weight_and_with_library_versions(monkeypatch):
     import torch
 
-    from composite import manifest
+    from composite import manifest_write
     from composite.model.default import load_default
 
     loaded = load_default()
@@ -144,8 +144,8 @@ def test_keys_change_with_a_weight_and_with_library_versions(monkeypatch):
         loaded.weights.tensors["layers.2.feed_forward.w2.weight"][0, 0] += 1e-3  # a layer of the middle shard
     changed = keys_for(loaded, ["xnnpack", "xnnpack", "xnnpack"])
     assert [base[i] == changed[i] for i in range(3)] == [True, False, True]
-    real = manifest.versions()
-    monkeypatch.setattr(manifest, "versions", lambda: {**real, "executorch": "0.0.0"})
+    real = manifest_write.versions()
+    monkeypatch.setattr(manifest_write, "versions", lambda: {**real, "executorch": "0.0.0"})
     assert all(keys_for(loaded, ["xnnpack", "xnnpack", "xnnpack"])[i] != changed[i] for i in range(3))
 
 

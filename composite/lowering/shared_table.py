@@ -49,14 +49,12 @@ def head_mapping(args, config, placements, specs) -> str | None:
 def quantized_as_head(table: torch.Tensor, mapping: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [vocab, dim], float32 scales [vocab]) of `table` quantized as an XNNPACK 8da8w head
     with `mapping` quantizes its weight: the same function on the same matrix, so the same bytes."""
-    from composite.lowering.xnnpack import quantize_linears
+    from composite.lowering import torchao_weights
 
-    head = torch.nn.Module()
-    head.output = torch.nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
-    head.output.weight = torch.nn.Parameter(table.detach(), requires_grad=False)
-    options = {"quantize": "8da8w", "head_quantize": "8da8w", "weight_mapping": mapping, "group_size": 0}
-    quantize_linears(head, options, in_place=True)
-    weight = head.output.weight
+    head = torch.nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
+    head.weight = torch.nn.Parameter(table.detach(), requires_grad=False)
+    torchao_weights.quantize_by_rows(head, torchao_weights.scheme_config("8da8w", 0, mapping)[0])
+    weight = head.weight
     if bool((weight.zero_point != 0).any()):
         raise UserError(
             f"weight_mapping {mapping} gives the head zero points; the shared table needs symmetric weights"

@@ -81,12 +81,37 @@ def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | 
             Runtime.get().load_program(lowered.shard.buffer), {"index": work.spec.index, "io": described}
         )
         if work.output is not None:  # written here: the bytes need not travel back
-            Path(work.output).write_bytes(lowered.shard.buffer)
-            lowered.shard.buffer = b""
-            if lowered.shard.data:
-                Path(work.output).with_suffix(".ptd").write_bytes(lowered.shard.data)
-                lowered.shard.data = b""
+            write_files(lowered.shard, Path(work.output))
+            lowered.shard.buffer = lowered.shard.data = b""
         return ShardLowered(work.spec.index, lowered.shard, described, stages, here(), lowered.facts)
+
+
+def write_files(shard: LoweredShard, pte: Path) -> None:
+    """The shard's .pte at `pte` and, if it keeps weights outside it, its .ptd beside it (what
+    the task did not write itself: empty bytes are not written)."""
+    if shard.buffer:
+        pte.write_bytes(shard.buffer)
+    if shard.data:
+        pte.with_suffix(".ptd").write_bytes(shard.data)
+
+
+def merge_data_files(folder: Path, shards: list[dict]) -> None:
+    """The shards' own data files (shard_NN.ptd) merged into the one file they share, equal bytes
+    once (lowering/shared_table.py: the tied table); their entries then name it."""
+    readers = [shard for shard in shards if "data" in shard]
+    if not readers:
+        return
+    from composite.lowering import data_files  # not on import: ExecuTorch's serializer
+
+    merged, separate = data_files.merge(folder, [shard["data"]["file"] for shard in readers])
+    shared = manifest_write.file_entry(folder / data_files.DATA_FILE)
+    for shard in readers:
+        shard["data"] = shared
+    readers[0]["notes"] = [
+        *readers[0]["notes"],
+        f"{shared['file']}: {merged / 1e6:.2f} MB shared by shards {', '.join(str(s['index']) for s in readers)} "
+        f"({separate / 1e6:.2f} MB as separate files)",
+    ]
 
 
 def describe_io(io: dict, encodings: dict) -> dict:

@@ -19,14 +19,11 @@ import math
 import torch
 from torch import nn
 
-from composite.lowering import native_io, shared_table
+from composite.lowering import native_io, shared_table, torchao_weights
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.program import Lowered, export_methods, finish, timed
 from composite.lowering.work import ShardWork, load_shard
 from composite.model.llama import Attention, FeedForward, RMSNorm, rope_cos_sin
-
-# quantize -> (torchao weight dtype, per-channel weights whatever the group size)
-WEIGHT_SCHEMES = {"8da4w": (torch.int4, False), "8da8w": (torch.int8, True)}
 
 
 class XnnpackRMSNorm(nn.Module):
@@ -156,11 +153,6 @@ def half_form(form: nn.Module, has_head: bool) -> nn.Module:
     return half
 
 
-# A linear whose float weight is larger is quantized a block of rows at a time (Llama 3.2's tied
-# 128256-row head: 1-1.6 GB of float32, which torchao's quantize_ would hold three times over).
-ROW_BLOCK_BYTES = 64 << 20
-
-
 def quantize_linears(
     module: torch.nn.Module,
     options: dict,
@@ -175,25 +167,10 @@ def quantize_linears(
     linears under this module path alone (a streamed shard quantizes each layer as it is read);
     skipped: where to add the names of linears left in float (the caller then writes the note).
     options: an XNNPACK placement's (composite/config.py). -> (module, notes on what was skipped)."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
-    from torchao.quantization.granularity import PerAxis, PerGroup
-    from torchao.quantization.quant_primitives import MappingType
-
-    mapping = MappingType[options["weight_mapping"].upper()]
     if not in_place:
         module = copy.deepcopy(module)
     noted = skipped is None
     skipped = [] if skipped is None else skipped
-
-    def config(scheme: str) -> tuple[Int8DynamicActivationIntxWeightConfig, int]:
-        weight_dtype, per_channel = WEIGHT_SCHEMES[scheme]
-        group_size = 0 if per_channel else options["group_size"]
-        granularity = PerAxis(0) if group_size == 0 else PerGroup(group_size)
-        quantized = Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=weight_dtype, weight_granularity=granularity, weight_mapping_type=mapping
-        )
-        return quantized, group_size
-
     head = options["head_quantize"]
     head_scheme = options["quantize"] if head == "same" else head
     for fqn, linear in list(module.named_modules()):
@@ -204,11 +181,11 @@ def quantize_linears(
         scheme = head_scheme if fqn == "output" else options["quantize"]
         if scheme == "none":
             continue
-        quantized, group_size = config(scheme)
+        quantized, group_size = torchao_weights.scheme_config(scheme, options["group_size"], options["weight_mapping"])
         if group_size and linear.in_features % group_size:
             skipped.append(fqn)
             continue
-        quantize_by_rows(linear, quantized)
+        torchao_weights.quantize_by_rows(linear, quantized)
     return module, fp32_note(skipped, options) if noted else []
 
 
@@ -219,31 +196,6 @@ def fp32_note(skipped: list[str], options: dict) -> list[str]:
         f"{len(skipped)} linears left in fp32 (in_features not a multiple of group size {options['group_size']}): "
         f"{', '.join(skipped)}"
     ]
-
-
-def quantize_by_rows(linear: torch.nn.Linear, config) -> None:
-    """torchao's quantize_ of one linear, a block of output rows at a time where its weight is
-    large. Each row's quantization reads that row alone (per-channel or per-group scales), so the
-    blocks put together are the whole weight quantized at once, bit for bit, with a fraction of
-    its float temporaries."""
-    from torchao.quantization import quantize_
-
-    weight = linear.weight
-    rows = max(1, ROW_BLOCK_BYTES // (weight.shape[1] * weight.element_size()))
-    if weight.shape[0] <= rows:
-        quantize_(linear, config)
-        return
-    blocks = []
-    for start in range(0, weight.shape[0], rows):
-        part = torch.nn.Linear(weight.shape[1], min(rows, weight.shape[0] - start), bias=False, device="meta")
-        part.weight = torch.nn.Parameter(weight.detach()[start : start + rows], requires_grad=False)
-        quantize_(part, config)
-        blocks.append(part.weight)
-    first = blocks[0]
-    data = [torch.cat([getattr(b, name) for b in blocks]) for name in first.tensor_data_names]
-    attributes = [getattr(first, name) for name in first.tensor_attribute_names]
-    del blocks
-    linear.weight = torch.nn.Parameter(type(first)(*data, *attributes), requires_grad=False)
 
 
 def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:

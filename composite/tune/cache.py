@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from composite import shard_cache
-from composite.manifest import sha256_file, versions
+from composite.manifest import sha256_file
+from composite.manifest_write import versions
 
 
 class ResultCache:
