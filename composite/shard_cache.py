@@ -1,12 +1,13 @@
 """A cache of lowered shards, so a re-export lowers only the shards whose inputs changed.
 
-An entry is a shard's .pte (and the .ptd of the weights it keeps outside it) and its manifest entry, under a key that hashes everything that
-decides those bytes: the shard's ShardWork (lowering/work.py, every field: its layers, placement
-and options, rotation, methods, the embedding's quantization, the checkpoint tensors it is made
-of as the file stores them, and for a QNN shard its calibration calls and the float model that
-feeds it), the versions of torch, executorch, torchao and this package's source, and for QNN
-shards the QNN libraries. A QNN shard is stored with the spill-fill size it needs itself; the
-export raises it to the shared size when it writes the shard. It lives in ~/.cache/composite/shards (COMPOSITE_CACHE moves it,
+An entry is a shard's .pte (and the .ptd of the weights it keeps outside it) and its manifest
+entry, under a key that hashes everything that decides those bytes: the shard's ShardWork
+(lowering/work.py, every field: its layers, placement and options, rotation, methods, the
+embedding's quantization, the checkpoint tensors it is made of as the file stores them, and for a
+QNN shard its calibration calls and the float model that feeds it), the versions of torch,
+executorch, torchao and this package's source, and for QNN shards the QNN libraries. A QNN shard
+is stored with the spill-fill size it needs itself; the export raises it to the shared size when
+it writes the shard. It lives in ~/.cache/composite/shards (COMPOSITE_CACHE moves it,
 COMPOSITE_CACHE=off or --no-cache turns it off), holds at most COMPOSITE_CACHE_MAX_MB megabytes
 (default 20480), least recently used first out.
 

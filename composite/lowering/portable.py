@@ -19,5 +19,6 @@ def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
         edge = to_edge_transform_and_lower(export_methods(module, work.examples()))
         del module
     with timed(stages, "serialize"):
-        shard = finish(edge, notes, external=shared_table.tag_lookup if work.shared_table else None)
+        lookup = shared_table.tag_lookup if work.shared_table else None
+        shard = finish(edge, notes, external=lookup, data_file=work.data_file)
     return Lowered(shard, {})

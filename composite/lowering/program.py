@@ -84,20 +84,27 @@ def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) ->
         return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
 
 
-def finish(edge, notes: list[str], planning: dict | None = None, external=None, outside: bool = False) -> LoweredShard:
-    """external: ExecutorchBackendConfig's external_constants (which constants leave the .pte);
-    outside: the program keeps weights in a data file (external constants, or a delegate's tagged
-    named data), whose bytes come back as .data."""
+def finish(edge, notes: list[str], planning: dict | None = None, external=None, data_file=None) -> LoweredShard:
+    """external: ExecutorchBackendConfig's external_constants (which constants leave the .pte).
+    The weights the program keeps outside its .pte (those, or a delegate's named data tagged for a
+    data file: lowering/shared_table.py) are moved to `data_file` (a Path) when given, else come
+    back as .data."""
     manager = edge.to_executorch(executorch_config(planning, external))
     delegates, cpu_ops = inspect_program(manager)
-    data = b""
-    if outside or external is not None:
-        with tempfile.TemporaryDirectory() as folder:
-            manager.write_tensor_data_to_file(folder)
-            files = sorted(Path(folder).glob("*.ptd"))
-            if len(files) > 1:
-                raise RuntimeError(
-                    f"a shard's program keeps its weights in {len(files)} data files; the export writes one"
-                )
-            data = files[0].read_bytes() if files else b""
-    return LoweredShard(manager.buffer, delegates, cpu_ops, notes, data)
+    return LoweredShard(manager.buffer, delegates, cpu_ops, notes, program_data(manager, data_file))
+
+
+def program_data(manager, data_file: Path | None) -> bytes:
+    """The program's one data file: moved to data_file (written once, beside it, then renamed),
+    or its bytes; b"" when the program keeps every weight in its .pte."""
+    with tempfile.TemporaryDirectory(dir=data_file.parent if data_file is not None else None) as folder:
+        manager.write_tensor_data_to_file(folder)
+        files = sorted(Path(folder).glob("*.ptd"))
+        if len(files) > 1:
+            raise RuntimeError(f"a shard's program keeps its weights in {len(files)} data files; the export writes one")
+        if not files:
+            return b""
+        if data_file is None:
+            return files[0].read_bytes()
+        files[0].replace(data_file)
+        return b""

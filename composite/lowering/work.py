@@ -14,6 +14,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,11 @@ class ShardWork:
     @property
     def methods(self) -> dict[str, int]:
         return method_widths(self.prefill_len)
+
+    @property
+    def data_file(self) -> Path | None:
+        """Where the task writes the weights its program keeps outside the .pte: beside .output."""
+        return Path(self.output).with_suffix(".ptd") if self.output is not None else None
 
     @property
     def label(self) -> str:
@@ -157,8 +163,6 @@ def load_shard(
             )
             if notes is not None:
                 notes.extend(found)
-        if head:
-            float_table = None
         if each_unit is not None:
             each_unit(model, unit)
     return ShardModule(model, spec).eval()

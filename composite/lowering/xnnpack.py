@@ -222,10 +222,7 @@ def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
     with timed(stages, "serialize"):
         lookup = shared_table.tag_lookup if work.shared_table is not None and work.spec.has_embedding else None
         shard = finish(
-            edge,
-            fp32_note(skipped, options) + lowering_notes + notes,
-            external=lookup,
-            outside=work.shared_table is not None,
+            edge, fp32_note(skipped, options) + lowering_notes + notes, external=lookup, data_file=work.data_file
         )
     return Lowered(shard, encodings)
 
