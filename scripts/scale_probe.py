@@ -45,8 +45,8 @@ RECIPES = {
     "1b": ["--shards", "4", "--quantize", "8da4w", "--embedding-quantize", "8,0", "--max-seq-len", "512"],
     "3b": ["--shards", "6", "--quantize", "8da4w", "--embedding-quantize", "8,0", "--max-seq-len", "512"],
 }
-# The hybrid as the config has it. Within the scale issue's 8 GB its 7-layer QNN 16a4w jobs (each
-# expected to need ~7.9 GB) run one at a time; within 16 GB two at a time, one a core.
+# The hybrid as the config has it. Within the scale issue's 8 GB its seven 4-layer QNN 16a4w_block
+# jobs (each ~6.3 GB with GPTQ's input moments) run one at a time.
 HYBRID = ["--config", str(REPO / "configs" / "llama3_2_3b_hybrid.yaml")]
 
 
