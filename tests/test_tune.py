@@ -76,6 +76,75 @@ def test_the_frontier_is_the_exact_optimum_of_every_budget():
         assert chosen.bytes <= budget
 
 
+def test_the_frontier_takes_off_what_the_first_and_last_groups_store_once():
+    """A lookup and head that share the tied table: their bytes do not add, and the frontier is
+    still the exact optimum of every budget."""
+    rng = random.Random(11)
+    groups = [
+        [Option(g, c, rng.randrange(1, 40), 0, rng.random()) for c in range(rng.randrange(1, 5))] for g in range(5)
+    ]
+
+    def stored_once(first: Option, last: Option) -> int:
+        return min(first.bytes, last.bytes) if (first.choice + last.choice) % 2 == 0 else 0
+
+    recipes = frontier(groups, stored_once)
+    assert all(a.bytes < b.bytes and a.kld > b.kld for a, b in itertools.pairwise(recipes))
+    assert all([o.group for o in r.options] == list(range(5)) for r in recipes)
+
+    def size(chosen) -> int:
+        return sum(o.bytes for o in chosen) - stored_once(chosen[0], chosen[-1])
+
+    for budget in range(0, 200, 5):
+        fits = [c for c in itertools.product(*groups) if size(c) <= budget]
+        chosen = best_within(recipes, budget)
+        if not fits:
+            assert chosen is None
+            continue
+        assert chosen.kld == pytest.approx(min(sum(o.kld for o in c) for c in fits))
+        assert chosen.bytes == size(chosen.options) <= budget
+
+
+def test_tune_and_the_export_agree_on_when_the_tied_table_is_stored_once(tmp_path):
+    """table_stored_once (tune's byte formula) says the lookup costs nothing exactly where the
+    export stores the tied table once (lowering/shared_table.head_mapping), for a tuned config of
+    every embedding and head choice; then it is the lookup's bytes."""
+    import dataclasses
+
+    from composite.lowering.shared_table import head_mapping
+    from composite.model.default import DEFAULT_ARGS
+    from composite.tune.candidates import (
+        DEFAULT_CANDIDATES,
+        EMBEDDING_CHOICES,
+        Group,
+        group_bytes,
+        parse_candidates,
+        table_stored_once,
+    )
+
+    shared = []
+    for tied, rotation, embedding, head in itertools.product(
+        (True, False), ("none", "hadamard-ffn"), EMBEDDING_CHOICES, parse_candidates(DEFAULT_CANDIDATES)
+    ):
+        args = dataclasses.replace(DEFAULT_ARGS, tie_embeddings=tied)
+        config = {
+            "shards": 3,
+            "placement": [{"backend": "xnnpack"}, {"backend": "xnnpack", "quantize": "8da4w"}, head.placement(True)],
+            "rotate": rotation,
+        }
+        if embedding != "none":
+            config["embedding_quantize"] = embedding
+        path = tmp_path / "tuned.yaml"
+        path.write_text(yaml.safe_dump(config))
+        built = build_config(str(path), {})
+        exported_once = head_mapping(args, built, built.placements(), []) is not None
+        saved = table_stored_once(embedding, head, args, rotation)
+        assert exported_once == (saved > 0), (tied, rotation, embedding, head)
+        if exported_once:
+            assert saved == group_bytes(Group("embedding", 0), embedding, args, 32)[0]
+            shared.append(head.name)
+    assert shared == ["xnnpack:8da8w"]
+
+
 def test_the_chosen_recipe_is_the_best_within_the_budget(mixed):
     _, result = mixed
     chosen = result["chosen"]

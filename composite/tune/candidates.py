@@ -23,6 +23,8 @@ Bytes are the weights as the backends store them, from the shapes and the quanti
                   weight + a float16 scale per 32 columns
 The bytes a decode step reads are the same for layers and head (every weight, every token), and one
 row for the embedding: a proxy for memory-bound decode speed, not a phone measurement.
+A tied table whose lookup is "8,0" and whose head is XNNPACK's 8da8w, unrotated, is stored once
+(lowering/shared_table.py): such a recipe does not store the lookup's bytes (table_stored_once).
 """
 
 from __future__ import annotations
@@ -204,6 +206,17 @@ def group_bytes(
             per_layer += sum(linear_bytes(n, n, rotation_choice, 0) for n in sizes)
     stored = per_layer * (group.layer_end - group.layer_start)
     return stored, stored
+
+
+def table_stored_once(embedding, head, args: ModelArgs, rotation: str) -> int:
+    """The bytes a recipe with this lookup and head does not store: the lookup's own, when the
+    export keeps the tied table once (lowering/shared_table.py, head_mapping: a tied, unrotated
+    table, an "8,0" lookup and an XNNPACK 8da8w head, which a tuned config asks for as
+    head_quantize "same"); else 0."""
+    shared = args.tie_embeddings and rotation == "none" and embedding == "8,0"
+    if shared and head == Candidate("xnnpack", "8da8w"):
+        return group_bytes(Group("embedding", 0), embedding, args, 0)[0]
+    return 0
 
 
 def choice_name(choice) -> str:

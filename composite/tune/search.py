@@ -4,10 +4,15 @@ The predicted KLD of a recipe is the sum of its groups' KLDs, each measured with
 changed (the first model; composite.tune checks it against the recipe measured as a whole). Under
 that model the problem is a multiple-choice knapsack, solved exactly by merging the groups one at a
 time and keeping only the Pareto-optimal partial recipes (no smaller recipe has a lower KLD).
+
+Sizes add up too, but for one pair: a tied table's lookup and head can be stored once
+(lowering/shared_table.py), so the first and last groups' bytes depend on each other. They are
+merged first, as one group of pairs whose bytes take off what is stored once; the rest add.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -22,11 +27,12 @@ class Option:
 
 @dataclass(frozen=True)
 class Recipe:
-    options: tuple[Option, ...]
+    options: tuple[Option, ...]  # in group order
+    saved: int = 0  # bytes stored once: the tied table, when its lookup and head share it
 
     @property
     def bytes(self) -> int:
-        return sum(o.bytes for o in self.options)
+        return sum(o.bytes for o in self.options) - self.saved
 
     @property
     def decode_bytes(self) -> int:
@@ -40,20 +46,35 @@ class Recipe:
         return {o.group: o.choice for o in self.options}
 
 
-def frontier(options_per_group: list[list[Option]]) -> list[Recipe]:
-    """Every Pareto-optimal recipe (one option per group), smallest first."""
+def frontier(
+    options_per_group: list[list[Option]], stored_once: Callable[[Option, Option], int] | None = None
+) -> list[Recipe]:
+    """Every Pareto-optimal recipe (one option per group), smallest first. stored_once(first,
+    last): the bytes a recipe saves with those options for its first and last groups."""
+    groups = list(options_per_group)
     partial: list[tuple[int, float, tuple]] = [(0, 0.0, ())]
-    for options in options_per_group:
-        merged = sorted(
-            ((size + o.bytes, kld + o.kld, chosen + (o,)) for size, kld, chosen in partial for o in options),
-            key=lambda item: (item[0], item[1]),
+    if stored_once is not None and len(groups) > 1:  # the pair first, as one group whose sizes do not add
+        first, last = groups.pop(0), groups.pop()
+        partial = pareto([(a.bytes + b.bytes - stored_once(a, b), a.kld + b.kld, (a, b)) for a in first for b in last])
+    for options in groups:
+        partial = pareto(
+            [(size + o.bytes, kld + o.kld, chosen + (o,)) for size, kld, chosen in partial for o in options]
         )
-        partial, best = [], float("inf")
-        for item in merged:
-            if item[1] < best:
-                partial.append(item)
-                best = item[1]
-    return [Recipe(chosen) for _, _, chosen in partial]
+    recipes = []
+    for size, _, chosen in partial:
+        ordered = tuple(sorted(chosen, key=lambda o: o.group))
+        recipes.append(Recipe(ordered, sum(o.bytes for o in ordered) - size))
+    return recipes
+
+
+def pareto(items: list[tuple[int, float, tuple]]) -> list[tuple[int, float, tuple]]:
+    """The (size, kld, options) items that no smaller or equal one beats on KLD, smallest first."""
+    kept, best = [], float("inf")
+    for item in sorted(items, key=lambda item: (item[0], item[1])):
+        if item[1] < best:
+            kept.append(item)
+            best = item[1]
+    return kept
 
 
 def best_within(recipes: list[Recipe], budget_bytes: int) -> Recipe | None:

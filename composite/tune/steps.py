@@ -7,7 +7,9 @@ whole; keep the better rotation; write the config and its plot (output.py); veri
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from composite import qnn_host
@@ -27,6 +29,7 @@ from composite.tune.candidates import (
     parse_candidates,
     parse_embedding,
     plan_groups,
+    table_stored_once,
 )
 from composite.tune.measure import Rotated, measure_sensitivities, measure_whole
 from composite.tune.output import header, plot, summary, tuned_config, write_config
@@ -50,9 +53,11 @@ def options_per_group(inputs, measured, model_args, group_size, rotation, qnn_bl
     return out
 
 
-def uniform_recipes(groups, per_group: list[list[Option]], candidates, embedding, head) -> dict[str, Recipe]:
+def uniform_recipes(
+    groups, per_group: list[list[Option]], candidates, embedding, head, stored_once
+) -> dict[str, Recipe]:
     """Every group at one candidate, for each embedding choice (the head at the first --head
-    choice where the candidate is not one)."""
+    choice where the candidate is not one). stored_once(first, last) as frontier's."""
     out = {}
     for candidate in candidates:
         for emb in embedding:
@@ -63,7 +68,7 @@ def uniform_recipes(groups, per_group: list[list[Option]], candidates, embedding
                     wanted = head[0]
                 chosen.append(next(o for o in options if o.choice == wanted))
             label = candidate.name + ("" if emb == "none" else f" + embedding {emb}")
-            out[label] = Recipe(tuple(chosen))
+            out[label] = Recipe(tuple(chosen), stored_once(chosen[0], chosen[-1]))
     return out
 
 
@@ -170,13 +175,15 @@ def read_inputs(args) -> Inputs:
 
 
 def smallest_bytes(args, inputs: Inputs, rotation: str) -> int:
-    return sum(
-        min(
-            group_bytes(g, c, inputs.loaded.args, args.group_size, rotation, args.qnn_block_size)[0]
-            for c in inputs.choices(g)
-        )
-        for g in inputs.groups
-    )
+    """The smallest recipe's bytes: the frontier's one recipe when every option costs nothing."""
+    free = collections.defaultdict(lambda: {"kld": 0.0})
+    options = options_per_group(inputs, free, inputs.loaded.args, args.group_size, rotation, args.qnn_block_size)
+    return frontier(options, table_saving(inputs.loaded.args, rotation))[0].bytes
+
+
+def table_saving(model_args, rotation: str) -> Callable[[Option, Option], int]:
+    """stored_once(embedding option, head option) for frontier: what the tied table stored once saves."""
+    return lambda embedding, head: table_stored_once(embedding.choice, head.choice, model_args, rotation)
 
 
 def rotated(args, inputs: Inputs, rotation: str) -> Rotated:
@@ -199,9 +206,10 @@ def search(args, inputs: Inputs, m: Rotated, measured: dict) -> Search:
     per_group = options_per_group(
         inputs, measured, inputs.loaded.args, args.group_size, m.rotation, args.qnn_block_size
     )
-    recipes = frontier(per_group)
+    stored_once = table_saving(inputs.loaded.args, m.rotation)
+    recipes = frontier(per_group, stored_once)
     chosen = best_within(recipes, int(args.budget_mb * MB))  # the smallest recipe fits: checked
-    uniform = uniform_recipes(groups, per_group, inputs.candidates, inputs.embedding, inputs.head)
+    uniform = uniform_recipes(groups, per_group, inputs.candidates, inputs.embedding, inputs.head, stored_once)
     uniform_whole = {
         label: measure_whole(sens, cache, groups, recipe)
         for label, recipe in uniform.items()
