@@ -66,7 +66,7 @@ def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[Sh
     methods = method_widths(config.prefill_len)
     calls_by_settings: dict[str, list] = {}
     works = []
-    shared = shared_table.head_mapping(loaded.args, config, placements, specs)
+    shared = shared_table.head_mapping(loaded.args, config, placements)
     for spec, placement in zip(specs, placements):
         calls = None
         if placement.backend == "qnn":

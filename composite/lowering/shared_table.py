@@ -31,7 +31,7 @@ TAG = "shared_weights"  # the external-data tag both programs use; the merged fi
 DATA_FILE = TAG + ".ptd"
 
 
-def head_mapping(args, config, placements, specs) -> str | None:
+def head_mapping(args, config, placements) -> str | None:
     """The head's torchao weight mapping when the export stores the tied table once, else None."""
     bits_group = config.embedding_bits_and_group()
     head = placements[-1]

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from composite.config import DEFAULT_OPTIONS, QNN_PRECISIONS
+from composite.config import DEFAULT_OPTIONS, QNN_PRECISIONS, ExportConfig
 from composite.errors import UserError
+from composite.lowering import shared_table
 from composite.lowering.qnn_quantizer import rotation_precision
 from composite.model.llama import ModelArgs
 from composite.model.rotation import hidden_rotation_sizes
 
+EMBEDDING_PLACEMENT = {"backend": "xnnpack"}  # a tuned recipe's lookup shard: the CPU's
 DEFAULT_CANDIDATES = "qnn:fp16,qnn:16a8w,qnn:16a4w_block,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w"
 XNNPACK_PRECISIONS = ("fp32", "8da8w", "8da4w")
 TUNED_QNN_PRECISIONS = tuple(p for p in QNN_PRECISIONS if p != "16a16w")  # 16a16w: no smaller than fp16
@@ -209,14 +211,14 @@ def group_bytes(
 
 
 def table_stored_once(embedding, head, args: ModelArgs, rotation: str) -> int:
-    """The bytes a recipe with this lookup and head does not store: the lookup's own, when the
-    export keeps the tied table once (lowering/shared_table.py, head_mapping: a tied, unrotated
-    table, an "8,0" lookup and an XNNPACK 8da8w head, which a tuned config asks for as
-    head_quantize "same"); else 0."""
-    shared = args.tie_embeddings and rotation == "none" and embedding == "8,0"
-    if shared and head == Candidate("xnnpack", "8da8w"):
-        return group_bytes(Group("embedding", 0), embedding, args, 0)[0]
-    return 0
+    """The bytes a recipe with this lookup and head does not store: the lookup's own when the
+    export keeps the tied table once for their config (lowering/shared_table.head_mapping decides;
+    a tuned config's first and last shards as tune/output.tuned_config writes them), else 0."""
+    placement = [dict(EMBEDDING_PLACEMENT), head.placement(head=True)]
+    config = ExportConfig(shards=2, placement=placement, embedding_quantize=embedding, rotate=rotation)
+    if shared_table.head_mapping(args, config, config.placements()) is None:
+        return 0
+    return group_bytes(Group("embedding", 0), embedding, args, 0)[0]
 
 
 def choice_name(choice) -> str:

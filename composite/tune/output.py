@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from composite.config import build_config
-from composite.tune.candidates import choice_name
+from composite.tune.candidates import EMBEDDING_PLACEMENT, choice_name
 from composite.tune.search import Recipe
 
 MB = 1e6
@@ -33,7 +33,7 @@ def tuned_config(args, groups, recipe: Recipe, rotation: str) -> dict:
     placement = []
     for group in groups:
         if group.kind == "embedding":
-            placement.append({"backend": "xnnpack"})  # a lookup: the CPU's
+            placement.append(dict(EMBEDDING_PLACEMENT))
         else:
             placement.append(choices[group.index].placement(head=group.kind == "head"))
     config["placement"] = placement
