@@ -36,6 +36,25 @@ def test_the_rotated_model_is_the_same_model_in_float():
     assert (expected - actual).abs().max() < 1e-4 * expected.abs().max()
 
 
+def test_a_table_rotated_a_block_of_rows_at_a_time_is_the_table_rotated_whole(monkeypatch):
+    """Blocks of rows (so that a vocabulary-sized table never has a float64 copy) give the whole
+    matrix's float64 product bit for bit, blocks that do not divide the rows included, and leave
+    the weights they read as they were."""
+    from composite.model import rotation as rotation_module
+
+    whole, blocked = default_model(), default_model()
+    table = blocked.tok_embeddings.weight.data
+    read = table.clone()
+    monkeypatch.setattr(rotation_module, "ROWS_AT_ONCE", 10**9)
+    rotate(whole, "hadamard-ffn")
+    monkeypatch.setattr(rotation_module, "ROWS_AT_ONCE", 100)  # the default vocabulary is 512 rows
+    rotate(blocked, "hadamard-ffn")
+    assert torch.equal(table, read)
+    assert torch.equal(blocked.tok_embeddings.weight, (read.double() @ rotation_matrix(read.shape[1])).float())
+    for name, weight in whole.state_dict().items():
+        assert torch.equal(weight, blocked.state_dict()[name]), name
+
+
 @pytest.mark.parametrize("hidden_dim", [1536, 352, 8192, 7])  # 12 x 128, 11 x 32, 64 x 128, no power of 2
 def test_the_hidden_rotation_is_an_orthogonal_kronecker_product_of_small_matrices(hidden_dim):
     rotation = hidden_rotation(hidden_dim)

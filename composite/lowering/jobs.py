@@ -48,15 +48,20 @@ def expected_bytes(work: ShardWork, lowering: bool) -> int:
     while it calibrates (counted on top, though they are freed before the compile's peak)."""
     weights = part_bytes(work.args, work.spec)
     if not lowering:
-        factor = 1.2
-    elif work.placement.quantized_qnn:
-        factor = 2.6
-    else:
-        factor = 2.0
+        return PROCESS_BYTES + int(weights * 1.2) + rotated_table_bytes(work)
+    factor = 2.6 if work.placement.quantized_qnn else 2.0
     moments = 0
-    if lowering and work.placement.backend == "qnn" and has_block_weights(work.placement.options):
+    if work.placement.backend == "qnn" and has_block_weights(work.placement.options):
         moments = moment_bytes(work.args, len(work.spec.layers))
     return PROCESS_BYTES + int(weights * factor) + moments
+
+
+def rotated_table_bytes(work: ShardWork) -> int:
+    """A rotated embedding or head is written into a new float32 table while the one read is alive
+    (model/rotation.py): one table more than a float pass's factor counts; a lowering's factor
+    already covers it (docs/scale.md, "The export's memory estimate")."""
+    rotated_ends = work.rotation != "none" and (work.spec.has_embedding or work.spec.has_head)
+    return work.args.vocab_size * work.args.dim * 4 if rotated_ends else 0
 
 
 def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[ShardWork]:

@@ -50,14 +50,30 @@ def rotation_matrix(dim: int, seed: int = SEED) -> torch.Tensor:
         return q * torch.sign(torch.diagonal(r))  # the sign fix makes QR's factor unique
 
 
+# Rows of a weight taken to float64 at once. The arithmetic is float64 for accuracy; on a whole
+# vocabulary-sized table it held two float64 copies of it, four times its float32 bytes (the
+# largest memory of a 3B export's float pass: docs/scale.md); a block of rows holds a few MB.
+ROWS_AT_ONCE = 512
+
+
+def _by_rows(weight: torch.Tensor, change) -> torch.Tensor:
+    """A new float32 weight: change(rows as float64) for each block of `weight`'s rows. Row i of
+    the result depends on row i alone, so the blocks give what the whole matrix would."""
+    out = torch.empty_like(weight)
+    for start in range(0, weight.shape[0], ROWS_AT_ONCE):
+        out[start : start + ROWS_AT_ONCE] = change(weight[start : start + ROWS_AT_ONCE].double())
+    return out
+
+
 def _fold_norm(norm: RMSNorm, readers: list[torch.nn.Linear]) -> None:
+    scale = norm.weight.data.double()
     for linear in readers:
-        linear.weight.data = (linear.weight.data.double() * norm.weight.data.double()).float()
+        linear.weight.data = _by_rows(linear.weight.data, lambda rows: rows * scale)
     norm.weight.data = torch.ones_like(norm.weight.data)
 
 
 def _reads(module, rotation: torch.Tensor) -> None:
-    module.weight.data = (module.weight.data.double() @ rotation).float()
+    module.weight.data = _by_rows(module.weight.data, lambda rows: rows @ rotation)
 
 
 def _writes(linear: torch.nn.Linear, rotation: torch.Tensor) -> None:
