@@ -19,6 +19,7 @@ from composite.lowering.task import float_task, lower_task
 from composite.lowering.weight_rounding import moment_bytes
 from composite.lowering.work import ShardWork
 from composite.manifest import method_widths
+from composite.split.plan import unit_bytes
 
 MB = 1 << 20
 # A worker process before it reads any weights: torch, ExecuTorch and the backends imported (a
@@ -32,8 +33,6 @@ def shard_file(spec) -> str:
 
 def part_bytes(args, spec) -> int:
     """float32 bytes of the weights one shard reads (a tied head reads the embedding's table)."""
-    from composite.split.plan import unit_bytes
-
     units = unit_bytes(args)  # [embedding, layer 0 .. layer L-1, head]
     return units[0] * spec.has_embedding + sum(units[1 + layer] for layer in spec.layers) + units[-1] * spec.has_head
 
@@ -61,7 +60,7 @@ def rotated_table_bytes(work: ShardWork) -> int:
     (model/rotation.py): one table more than a float pass's factor counts; a lowering's factor
     already covers it (docs/scale.md, "The export's memory estimate")."""
     rotated_ends = work.rotation != "none" and (work.spec.has_embedding or work.spec.has_head)
-    return work.args.vocab_size * work.args.dim * 4 if rotated_ends else 0
+    return unit_bytes(work.args)[0] if rotated_ends else 0  # the embedding's float32 table
 
 
 def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[ShardWork]:
