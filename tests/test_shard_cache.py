@@ -197,6 +197,30 @@ def qnn_works(loaded):
     return shard_works(loaded, plan_shards(loaded.args, 3), config.placements(), config, None, None)
 
 
+def test_a_tensors_digest_is_of_its_bytes_as_the_file_stores_them(tmp_path):
+    """The keys hash a tensor as stored (bf16 stays bf16), from its file's own bytes: one byte
+    changed in the file changes its digest."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from composite.model.weights import SafetensorsWeights
+
+    path, name = tmp_path / "model.safetensors", "tok_embeddings.weight"
+    save_file({"model.embed_tokens.weight": torch.randn(8, 4).to(torch.bfloat16)}, str(path))
+    weights = SafetensorsWeights({name: (path, "model.embed_tokens.weight")}, {name: (8, 4)}, str(path))
+    raw = path.read_bytes()
+    header = 8 + int.from_bytes(raw[:8], "little")
+    start, end = json.loads(raw[8:header])["model.embed_tokens.weight"]["data_offsets"]
+    stored = raw[header + start : header + end]
+    assert len(stored) == 8 * 4 * 2
+    expected = hashlib.sha256(f"{name}|torch.bfloat16|[8, 4]|None|".encode() + stored).hexdigest()
+    assert weights.digests([name]) == {name: expected}
+    path.write_bytes(raw[: header + start] + bytes([raw[header + start] ^ 1]) + raw[header + start + 1 :])
+    assert weights.digests([name])[name] != expected
+
+
 def test_the_key_holds_every_field_of_a_shards_work():
     """A field of ShardWork that its key leaves out would give a stale cache hit: the wrong .pte."""
     import dataclasses

@@ -88,9 +88,11 @@ class WeightSource(ABC):
         return hashlib.sha256(f"{name}|{stored}|{list(self.shapes[name])}|{self.permuted.get(name)}|".encode())
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a view, not a copy: sha256 reads the buffer where it lies (the 3B's
+    table is 788 MB in bf16, which a copy would hold twice while it is hashed)."""
     data = tensor.detach().contiguous().cpu()
-    return data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    return memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
 
 
 class TensorWeights(WeightSource):
@@ -210,5 +212,5 @@ class GgufWeights(WeightSource):
         with open(self.path, "rb") as f:
             for name in names:
                 hashes[name] = self._start(name, self.located[name][4].name)
-                hashes[name].update(self._raw(f, name).tobytes())
+                hashes[name].update(memoryview(self._raw(f, name)))
         return hashes
