@@ -38,19 +38,21 @@ def test_the_rotated_model_is_the_same_model_in_float():
 
 def test_a_table_rotated_a_block_of_rows_at_a_time_is_the_table_rotated_whole(monkeypatch):
     """Blocks of rows (so that a vocabulary-sized table never has a float64 copy) give the whole
-    matrix's float64 product bit for bit, blocks that do not divide the rows included, and leave
-    the weights they read as they were."""
+    matrix's float64 product bit for bit, blocks that do not divide the rows included, a weight
+    that writes the stream (R^T W, by rows of W^T) too, and leave the weights they read as they were."""
     from composite.model import rotation as rotation_module
 
     whole, blocked = default_model(), default_model()
     table = blocked.tok_embeddings.weight.data
-    read = table.clone()
+    read, written = table.clone(), blocked.layers[0].attention.wo.weight.detach().clone()
     monkeypatch.setattr(rotation_module, "ROWS_AT_ONCE", 10**9)
     rotate(whole, "hadamard-ffn")
     monkeypatch.setattr(rotation_module, "ROWS_AT_ONCE", 100)  # the default vocabulary is 512 rows
     rotate(blocked, "hadamard-ffn")
     assert torch.equal(table, read)
-    assert torch.equal(blocked.tok_embeddings.weight, (read.double() @ rotation_matrix(read.shape[1])).float())
+    rotation = rotation_matrix(read.shape[1])
+    assert torch.equal(blocked.tok_embeddings.weight, (read.double() @ rotation).float())
+    assert torch.equal(blocked.layers[0].attention.wo.weight, (rotation.T @ written.double()).float())  # by rows of W^T
     for name, weight in whole.state_dict().items():
         assert torch.equal(weight, blocked.state_dict()[name]), name
 
@@ -67,6 +69,21 @@ def test_the_hidden_rotation_is_an_orthogonal_kronecker_product_of_small_matrice
     dense = torch.kron(across, within)
     x = torch.randn(2, 3, hidden_dim)
     assert torch.allclose(rotation(x).double(), x.double() @ dense, atol=1e-5)
+
+
+def test_w2_reads_the_hidden_rotation_folded_in_as_the_dense_product_gives_it():
+    """The fold is two small products per row (A^T X B), not the dense A kron B: each folded
+    weight is the dense float64 product to float32 rounding."""
+    from composite.model.rotation import rotate_hidden
+
+    model = default_model()
+    read = [layer.feed_forward.w2.weight.detach().clone() for layer in model.layers]
+    rotate_hidden(model)
+    rotation = hidden_rotation(model.args.hidden_dim)
+    dense = torch.kron(rotation.across_t.T.double(), rotation.within_t.T.double())
+    for weight, layer in zip(read, model.layers):
+        exact = weight.double() @ dense
+        assert torch.allclose(layer.feed_forward.w2.weight.double(), exact, rtol=2**-23, atol=0)
 
 
 def test_the_model_with_both_rotations_is_the_same_model_in_float():
