@@ -17,6 +17,7 @@ import pytest
 from test_qnn import cpp_stats
 
 from composite import manifest as manifest_schema
+from composite.shard_cache import ENTRY_FILE
 from conftest import QUANTIZED_PLACEMENT, RUNNER, one_error_line, qnn_quantized_cli, run_cli
 
 # SQNR (dB) of each quantized QNN shard's hidden output on its held-out input, decode / prefill,
@@ -244,7 +245,7 @@ def test_a_quantized_qnn_shard_lowered_twice_is_byte_identical(quantized_exports
     qnn = [index for index, backend in enumerate(QUANTIZED_PLACEMENT) if backend == "qnn"]
     xnnpack = {shard["sha256"] for shard in first["shards"] if shard["index"] not in qnn}
     cache = tmp_path / "xnnpack_only"
-    for entry in shard_cache.glob("??/*/entry.json"):
+    for entry in shard_cache.glob(f"??/*/{ENTRY_FILE}"):
         if json.loads(entry.read_text())["sha256"] in xnnpack:
             shutil.copytree(entry.parent, cache / entry.parent.relative_to(shard_cache))
     again = tmp_path / "again"
