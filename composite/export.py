@@ -40,7 +40,7 @@ from composite.lowering.jobs import lowering_jobs, shard_file, shard_works
 from composite.lowering.task import ShardLowered, lower_task, merge_data_files, write_files
 from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo, memory_budget
 from composite.model.checkpoint import load_checkpoint
-from composite.model.llama import cache_shapes
+from composite.model.llama import cache_shapes, rope_inv_freq
 from composite.model.loaded import LoadedModel
 from composite.shard_cache import ShardCache
 from composite.split.plan import ShardSpec, auto_layer_counts, plan_shards
@@ -204,15 +204,11 @@ def build_manifest(
     qnn_summary: dict | None,
 ) -> dict:
     args = loaded.args
-    tokenizer_entry = (
-        None
-        if tokenizer is None
-        else {
-            "file": tokenizer.path.name,
-            "type": tokenizer.kind,
-            "sha256": manifest_schema.sha256_file(tokenizer.path),
-        }
-    )
+    tokenizer_entry = tokenizer and {
+        "file": tokenizer.path.name,
+        "type": tokenizer.kind,
+        "sha256": manifest_schema.sha256_file(tokenizer.path),
+    }
     return manifest_write.document(
         export_id=uuid.uuid4().hex,
         model=args.to_dict(),
@@ -220,6 +216,7 @@ def build_manifest(
         max_seq_len=config.max_seq_len,
         prefill_len=config.prefill_len,
         cache_shapes=cache_shapes(args, config.max_seq_len),
+        rope_inv_freq=rope_inv_freq(args).tolist(),
         tokenizer=tokenizer_entry,
         bos_id=prompt_bos_id(loaded, tokenizer),
         eos_ids=generation_stop_ids(loaded, tokenizer, chat),

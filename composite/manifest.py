@@ -28,6 +28,9 @@ tools (the runners ignore it). Every key is written by every export unless marke
   },
   "mask": {"shape": "[T, max_seq_len + T]", "visible": 0.0, "hidden": float},     [R: hidden]
           # additive; columns 0..max_seq_len-1 are cache slots, the last T the call's own tokens
+  "rope": {"convention": "rotate-half", "inv_freq": [head_dim / 2 floats]},     [R: optional]
+          # the keys' rotary frequencies (scaling applied): a context shift re-rotates cached
+          # keys with them (composite/runtime/context_shift.py); absent in older exports
   "tokenizer": {"file": str, "type": "sentencepiece"|"tiktoken"|"hf_json", "sha256": str} | null,
                                                                                   [R: file, type]
   "bos_id": int | null, "eos_ids": [int],                                          [R]
@@ -336,11 +339,7 @@ def parse(text: str, folder: str) -> dict:
         shown = "null" if version is None else _dump(version)
         raise UserError(f"{where}: manifest version {shown} is not supported (this runner reads {VERSION})")
     _require(j, "export_id", where)
-    model = _require(j, "model", where)
-    dims = {
-        key: _require_int(model, key, f"{where} model")
-        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
-    }
+    dims = _model_dims(j, where)
     max_seq_len = _require_int(j, "max_seq_len", where)
     if max_seq_len < 2 or dims["vocab_size"] < 1 or dims["n_layers"] < 0:
         raise UserError(f"{where}: max_seq_len, vocab_size or n_layers is out of range")
@@ -434,6 +433,23 @@ def parse(text: str, folder: str) -> dict:
     return j
 
 
+def _model_dims(j: dict, where: str) -> dict:
+    """The model's six dimensions the runners read, and its optional "rope" entry checked."""
+    model = _require(j, "model", where)
+    dims = {
+        key: _require_int(model, key, f"{where} model")
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
+    }
+    rope = j.get("rope")
+    if rope is not None:
+        freqs = _require(rope, "inv_freq", f"{where} rope")
+        if rope.get("convention") != "rotate-half" or not isinstance(freqs, list) or len(freqs) * 2 != dims["head_dim"]:
+            raise UserError(f"{where}: rope must be rotate-half with head_dim / 2 inv_freq numbers")
+        if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) for f in freqs):
+            raise UserError(f"{where}: rope inv_freq must hold finite numbers")
+    return dims
+
+
 def check_chat(chat, where: str) -> int:
     """A "chat" entry (the manifest's, or a runner's --chat_template file); -> its end_of_turn_id."""
     for key in ("source", "first_user_prefix", "user_prefix", "user_suffix"):
@@ -449,25 +465,6 @@ def check_chat(chat, where: str) -> int:
     if not isinstance(trim, list) or not all(role in CHAT_TRIM_ROLES for role in trim):
         raise UserError(f"{where} 'trim' must be a list of roles (system, user), got {_dump(trim)}")
     return end_of_turn
-
-
-def weight_shared_shards(manifest: dict) -> list[int]:
-    return [shard["index"] for shard in manifest["shards"] if shard.get("weight_sharing")]
-
-
-def weight_sharing_refusal(indices: list[int]) -> str:
-    """Why a runner on this host cannot load weight-shared QNN shards (composite_runner on x86
-    says the same)."""
-    one = len(indices) == 1
-    which = (
-        f"shard {indices[0]} of this export shares"
-        if one
-        else f"shards {', '.join(map(str, indices))} of this export share"
-    )
-    return (
-        f"{which} QNN weights between decode and prefill, which only a device loads "
-        "(the x86 HTP simulator cannot); re-export with --no-weight-sharing to run it on this host"
-    )
 
 
 def check_files(folder: Path, manifest: dict, verify_sha256: bool = False) -> None:

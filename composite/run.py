@@ -19,9 +19,17 @@ from pathlib import Path
 from composite import chat_template, qnn_host
 from composite import manifest as manifest_schema
 from composite.errors import UserError, exits_cleanly
+from composite.runtime import context_shift
 from composite.runtime.chain import ShardChain
 from composite.runtime.chat import chat
-from composite.runtime.generate import DEFAULT_MAX_NEW_TOKENS, Generation, check_lengths, generate, stats
+from composite.runtime.generate import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Generation,
+    check_lengths,
+    default_seq_len,
+    generate,
+    stats,
+)
 from composite.runtime.reference import generate_reference, reference_chain, reference_model
 from composite.runtime.sampler import Sampler, fresh_seed
 from composite.tokenizer import Tokenizer
@@ -63,8 +71,12 @@ def parse_args(argv):
         help=f"stop after this many new tokens (default {DEFAULT_MAX_NEW_TOKENS})",
     )
     p.add_argument(
-        "--seq-len", "--seq_len", type=int, help="tokens in all, prompt included (default: the export's max_seq_len)"
+        "--seq-len",
+        "--seq_len",
+        type=int,
+        help="stop at N tokens in all, prompt included (default: no limit; with --no-context-shift, max_seq_len)",
     )
+    context_shift.add_flags(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", "--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     p.add_argument("--seed", type=int, help="sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)")
@@ -171,8 +183,9 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
         chat_entry = chat_template.for_export(Path(args.chat_template), tokenizer, manifest)
         eos_ids = sorted(set(manifest["eos_ids"]) | {chat_entry["end_of_turn_id"]})
         manifest = {**manifest, "chat": chat_entry, "eos_ids": eos_ids}
-    seq_len = args.seq_len or manifest["max_seq_len"]
-    check_lengths([0], args.max_new_tokens, seq_len, manifest["max_seq_len"])
+    shift = context_shift.from_flags(args, manifest)
+    seq_len = default_seq_len(args.seq_len, manifest["max_seq_len"], shift)
+    check_lengths([0], args.max_new_tokens, seq_len, manifest["max_seq_len"], shift=shift)
     seed = fresh_seed() if args.seed is None else args.seed
     if args.temperature > 0 and args.seed is None:
         print(f"seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
@@ -207,6 +220,7 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
         args.system,
         on_turn_start=start_turn,
         on_turn_end=end_turn,
+        shift=shift,
     )
     if conversation.context_full:
         print(conversation.context_full, file=sys.stderr)
@@ -222,6 +236,7 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
         peak_rss_mb=peak_rss_mb(),
         qnn_simulator=has_qnn and not args.reference and platform.machine() == "x86_64",
         turns=[turn.stats() for turn in conversation.turns],
+        chat_context_shifts=conversation.context_shifts,
     )
     write_stats(args.stats_json, report)
     print(
@@ -248,6 +263,7 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
         print(f"seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
     sampler = Sampler(args.temperature, args.top_p, seed)
     eos = tuple(manifest["eos_ids"])
+    shift = context_shift.from_flags(args, manifest)
     stream = TextStream(tokenizer, prompt[-1:]) if tokenizer is not None and not args.json else None
     load_seconds = 0.0
     if args.reference:
@@ -264,7 +280,9 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
     else:
         chain = ShardChain(folder, verify=args.verify)
         load_seconds = chain.load_seconds
-        generation = generate(chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream, seq_len=args.seq_len)
+        generation = generate(
+            chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream, seq_len=args.seq_len, shift=shift
+        )
     has_qnn = any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"])
     report = stats(
         generation,

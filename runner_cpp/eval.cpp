@@ -10,6 +10,7 @@
 #include <limits>
 #include <sstream>
 
+#include "context_shift.h"
 #include "error.h"
 
 namespace composite {
@@ -181,11 +182,55 @@ nlohmann::json EvalScores::summary() const {
   return out;
 }
 
+namespace {
+
+// --stream: the text's tokens one decode call each, BOS in place of the first when the export adds
+// one (as a chunk's), every next token scored.
+nlohmann::json evaluate_stream(TokenChain& chain, const Manifest& manifest, std::vector<int64_t> ids,
+                               ContextShift* shift) {
+  if (ids.size() < 2)
+    throw RunnerError("the evaluation text has " + std::to_string(ids.size()) + " token(s); at least 2 are needed");
+  if (manifest.bos_id >= 0) ids[0] = manifest.bos_id;
+  const size_t scored = shift ? ids.size() - 1 : std::min(ids.size() - 1, static_cast<size_t>(manifest.max_seq_len));
+  EvalScores scores;
+  double seconds = 0;
+  int pos = 0;
+  for (size_t i = 0; i < scored; ++i) {
+    const auto started = std::chrono::steady_clock::now();
+    if (shift) pos = shift->room(chain, pos, 1);
+    const float* logits = chain.forward("decode", {ids[i]}, pos++);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    scores.add(logits, manifest.vocab_size, ids[i + 1], nullptr);
+  }
+  nlohmann::json result = scores.summary();
+  result["tokens_per_s"] = seconds > 0 ? scored / seconds : 0.0;
+  result["stream"] = true;
+  result["ctx"] = manifest.max_seq_len;
+  result["keep"] = shift ? shift->keep() : 0;
+  result["evict"] = shift ? shift->evict() : 0;
+  result["context_shifts"] = shift ? shift->shifts() : 0;
+  std::printf(
+      "perplexity %.4f over %zu tokens (streamed through a context of %d, keep %d, evict %d, %d shifts), "
+      "%.1f tokens/s\n",
+      result["perplexity"].get<double>(), scored, manifest.max_seq_len, result["keep"].get<int>(),
+      result["evict"].get<int>(), result["context_shifts"].get<int>(), result["tokens_per_s"].get<double>());
+  return result;
+}
+
+}  // namespace
+
 nlohmann::json evaluate(TokenChain& chain, const Manifest& manifest, const Tokenizer& tokenizer,
-                        const std::string& tokenizer_path, const EvalOptions& options) {
+                        const std::string& tokenizer_path, const EvalOptions& options, ContextShift* shift) {
   const std::string text = read_file(options.text_path, "the evaluation text");
   if (!valid_utf8(text)) throw RunnerError("the evaluation text " + options.text_path + " is not UTF-8");
   if (text.find_first_not_of(" \t\n\r\f\v") == std::string::npos) throw RunnerError("the evaluation text is empty");
+  if (options.stream) {
+    std::vector<int64_t> ids = tokenizer.encode(text, false);
+    if (options.limit_tokens > 0 && ids.size() > static_cast<size_t>(options.limit_tokens)) {
+      ids.resize(options.limit_tokens);
+    }
+    return evaluate_stream(chain, manifest, std::move(ids), shift);
+  }
   const int ctx = options.ctx ? options.ctx : manifest.max_seq_len;
   if (ctx > manifest.max_seq_len) {
     throw RunnerError("--ctx " + std::to_string(ctx) + " is larger than this export's max_seq_len " +

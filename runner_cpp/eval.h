@@ -20,6 +20,7 @@ struct EvalOptions {
   int limit_tokens = 0;       // 0: all
   std::string score = "all";  // or "second-half"
   std::string kld_base_path;  // empty: perplexity only
+  bool stream = false;        // score the text token by token through a context shift, not in chunks
 };
 
 // The reference's distribution at one scored token: its top k tokens and the mass of the rest.
@@ -63,8 +64,10 @@ class EvalScores {
 double percentile(std::vector<double> values, double p);
 
 // Runs the evaluation through `chain`; prints composite.eval's summary lines on stdout and returns
-// its JSON (also the stats written by --stats_json).
+// its JSON (also the stats written by --stats_json). options.stream: every token of the text after
+// the first, each predicted from everything before it that the shifting cache still holds (shift:
+// the context shift, or null to stop at max_seq_len), as composite.eval --stream does.
 nlohmann::json evaluate(TokenChain& chain, const Manifest& manifest, const Tokenizer& tokenizer,
-                        const std::string& tokenizer_path, const EvalOptions& options);
+                        const std::string& tokenizer_path, const EvalOptions& options, ContextShift* shift = nullptr);
 
 }  // namespace composite

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "context_shift.h"
 #include "manifest.h"
 #include "sampler.h"
 
@@ -23,18 +24,23 @@ class TokenChain {
   virtual const std::vector<double>& shard_seconds() const = 0;
   virtual double kv_write_seconds() const = 0;
   virtual void reset_stats() = 0;
+  // Context shift of the cache (KVCache::shift).
+  virtual void shift_cache(int keep, int evict, int used, const std::vector<float>& cos,
+                           const std::vector<float>& sin) = 0;
 };
 
 struct Limits {
   int max_new_tokens = 128;
-  int seq_len = 0;  // tokens in all, prompt included
+  int seq_len = 0;  // tokens in all, prompt included; 0: no limit (a context shift makes room)
   int max_seq_len = 0;
   std::vector<int64_t> eos_ids;
 };
 
 // Throws RunnerError when the prompt (`prompt_tokens` with everything before it in the cache)
-// leaves nothing to generate or seq_len exceeds max_seq_len.
-void check_limits(size_t prompt_tokens, const Limits& limits);
+// leaves nothing to generate, or, without a context shift, seq_len exceeds max_seq_len; with
+// one, when the prompt alone (`prompt_only`) does not fit beside the kept tokens.
+void check_limits(size_t prompt_tokens, const Limits& limits, const ContextShift* shift = nullptr,
+                  size_t prompt_only = 0);
 
 // Why generation ends after emitting `token`, the `generated`-th new one with `total` tokens in
 // all, or "" to go on. composite/runtime/generate.py's stop_reason decides the same way.
@@ -49,6 +55,9 @@ struct Generation {
   double prefill_seconds = 0, decode_seconds = 0;
   std::vector<double> prefill_shard_ms_per_token, decode_shard_ms_per_token;
   double prefill_kv_write_ms_per_token = 0, decode_kv_write_ms_per_token = 0;
+  int in_cache = 0;  // tokens in the cache after the last call (the last token is not yet in it)
+  int context_shifts = 0;
+  double context_shift_seconds = 0;
 
   double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
   double decode_tokens_per_s() const {
@@ -58,10 +67,10 @@ struct Generation {
 
 // Places `prompt` at positions start_pos.. (the cache already holds the tokens before it, as in a
 // chat's later turns) and generates after it. A lone last prompt token goes through "decode"
-// rather than a padded "prefill" call.
+// rather than a padded "prefill" call. shift: makes room past max_seq_len, or null to stop there.
 Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int prefill_width, int vocab_size,
                     const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token,
-                    int start_pos = 0);
+                    int start_pos = 0, ContextShift* shift = nullptr);
 
 // Facts of the run beside the generation itself.
 struct RunInfo {

@@ -46,6 +46,41 @@ void KVCache::clear() {
   }
 }
 
+void KVCache::shift(int keep, int evict, int used, const std::vector<float>& cos, const std::vector<float>& sin) {
+  const size_t S = max_seq_len_, moved = used - keep - evict, half = head_dim_ / 2;
+  const Encoding float32{};
+  std::vector<float> x1(moved), x2(moved), y1(moved), y2(moved);
+  for (size_t layer = 0; layer < encodings_.size(); ++layer) {
+    const auto& [k_encoding, v_encoding] = encodings_[layer];
+    char* k_bytes = static_cast<char*>(k(static_cast<int>(layer)));
+    const size_t kb = k_encoding.element_size();
+    for (int h = 0; h < kv_heads_; ++h) {
+      for (size_t i = 0; i < half; ++i) {
+        char* row1 = k_bytes + ((h * head_dim_ + i) * S) * kb;
+        char* row2 = k_bytes + ((h * head_dim_ + i + half) * S) * kb;
+        convert(row1 + (keep + evict) * kb, k_encoding, x1.data(), float32, moved);
+        convert(row2 + (keep + evict) * kb, k_encoding, x2.data(), float32, moved);
+        const float c = cos[i], s = sin[i];
+        for (size_t j = 0; j < moved; ++j) {
+          y1[j] = x1[j] * c - x2[j] * s;
+          y2[j] = x2[j] * c + x1[j] * s;
+        }
+        convert(y1.data(), float32, row1 + keep * kb, k_encoding, moved);
+        convert(y2.data(), float32, row2 + keep * kb, k_encoding, moved);
+        fill_zero(row1 + (used - evict) * kb, k_encoding, evict);
+        fill_zero(row2 + (used - evict) * kb, k_encoding, evict);
+      }
+    }
+    char* v_bytes = static_cast<char*>(v(static_cast<int>(layer)));
+    const size_t row = head_dim_ * v_encoding.element_size();
+    for (int h = 0; h < kv_heads_; ++h) {
+      char* head = v_bytes + h * S * row;
+      std::memmove(head + keep * row, head + (keep + evict) * row, moved * row);
+      fill_zero(head + (used - evict) * row, v_encoding, static_cast<size_t>(evict) * head_dim_);
+    }
+  }
+}
+
 AttentionMask::AttentionMask(int width, int max_seq_len, float hidden)
     : width_(width),
       max_seq_len_(max_seq_len),

@@ -26,6 +26,12 @@ class KVCache {
   void write(int layer, const void* k_new, const void* v_new, int width, int pos, int count);
   void clear();  // every slot back to the encoding of 0.0
 
+  // Context shift (context_shift.h): slots keep+evict .. used-1 move down to keep .. used-evict-1,
+  // their keys rotated by the angle whose cos/sin [head_dim/2] are given (in float32, re-encoded
+  // in the layer's encoding); the freed slots are emptied. composite/runtime/kv_cache.py's shift
+  // computes the same.
+  void shift(int keep, int evict, int used, const std::vector<float>& cos, const std::vector<float>& sin);
+
  private:
   int kv_heads_, head_dim_, max_seq_len_;
   std::vector<std::pair<Encoding, Encoding>> encodings_;

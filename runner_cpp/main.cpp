@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "chat.h"
+#include "context_shift.h"
 #include "cpu_backend.h"
 #include "error.h"
 #include "eval.h"
@@ -54,6 +55,8 @@ struct Options {
   bool seed_given = false;
   bool verify = false, verbose = false;
   int threads = 0;  // 0 = the performant cores
+  bool context_shift = true;
+  int keep = -1, evict = -1;  // -1: the defaults (context_shift.h)
 };
 
 struct Flag {
@@ -79,8 +82,13 @@ const Flag kFlags[] = {
     {"--limit_tokens", "N", "--eval_text: the text's first N tokens only"},
     {"--score", "MODE", "--eval_text: all (default) or second-half, llama.cpp's choice"},
     {"--kld_base", "FILE", "--eval_text: the reference's probabilities, from composite.eval --kld-base-out"},
+    {"--stream", nullptr, "--eval_text: score every token through the shifting context, not in chunks"},
     {"--max_new_tokens", "N", "stop after N new tokens (default 128)"},
-    {"--seq_len", "N", "stop at N tokens in all, prompt included (default: the export's max_seq_len)"},
+    {"--seq_len", "N",
+     "stop at N tokens in all, prompt included (default: no limit; with --no_context_shift, max_seq_len)"},
+    {"--keep", "N", "past the context, keep the first N tokens, the attention sinks (default 4)"},
+    {"--evict", "N", "past the context, evict N tokens at a time (default: a quarter of the context)"},
+    {"--no_context_shift", nullptr, "stop at the export's max_seq_len instead of evicting the oldest tokens"},
     {"--temperature", "T", "0 = greedy (default 0)"},
     {"--top_p", "P", "nucleus sampling mass in (0, 1] (default 1)"},
     {"--seed", "S", "sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)"},
@@ -170,6 +178,8 @@ Options parse_options(int argc, char** argv) {
       if (name == "--verbose") o.verbose = true;
       if (name == "--chat") o.chat = true;
       if (name == "--special_as_text") o.special_as_text = true;
+      if (name == "--no_context_shift") o.context_shift = false;
+      if (name == "--stream") o.eval.stream = true;
       continue;
     }
     if (!inline_value) {
@@ -184,6 +194,10 @@ Options parse_options(int argc, char** argv) {
   const bool eval = values.count("--eval_text") > 0;
   for (const char* flag : {"--ctx", "--limit_tokens", "--score", "--kld_base"}) {
     if (values.count(flag) && !eval) throw RunnerError(std::string(flag) + " is for --eval_text");
+  }
+  if (o.eval.stream && !eval) throw RunnerError("--stream is for --eval_text");
+  if (o.eval.stream && (values.count("--ctx") || values.count("--score") || values.count("--kld_base"))) {
+    throw RunnerError("--stream scores every token through the export's context: drop --ctx, --score and --kld_base");
   }
   if (eval && (prompts || o.chat)) throw RunnerError("--eval_text scores a text: drop the prompt and --chat flags");
   if (o.chat && prompts) throw RunnerError("--chat reads the user's turns from stdin: drop the prompt flag");
@@ -216,6 +230,11 @@ Options parse_options(int argc, char** argv) {
   if (values.count("--top_p")) o.top_p = static_cast<float>(parse_number("--top_p", values["--top_p"], 0, 1, true));
   if (values.count("--seed")) o.seed = parse_seed(values["--seed"]), o.seed_given = true;
   if (values.count("--stats_json")) o.stats_json = values["--stats_json"];
+  if (values.count("--keep")) o.keep = static_cast<int>(parse_number("--keep", values["--keep"], 0, 1e9));
+  if (values.count("--evict")) o.evict = static_cast<int>(parse_number("--evict", values["--evict"], 0, 1e9));
+  if (!o.context_shift && (o.keep >= 0 || o.evict >= 0)) {
+    throw RunnerError("--keep and --evict shape the context shift: drop them or --no_context_shift");
+  }
   if (values.count("--threads")) o.threads = static_cast<int>(parse_number("--threads", values["--threads"], 1, 256));
   return o;
 }
@@ -361,11 +380,12 @@ ChatTemplate read_chat_template(const std::string& path) {
 // --chat: one user turn per stdin line. The cache keeps the conversation, so each turn prefills
 // only its own tokens; an answer ends at the end of the assistant's turn (any stop id).
 void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format, const Tokenizer& tokenizer,
-          TokenChain& chain, const Limits& limits, Sampler& sampler, RunInfo& info) {
+          TokenChain& chain, const Limits& limits, Sampler& sampler, ContextShift* shift, RunInfo& info) {
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
   const bool interactive = isatty(STDIN_FILENO);
   auto is_stop = [&](int64_t t) { return std::count(limits.eos_ids.begin(), limits.eos_ids.end(), t) > 0; };
-  int pos = 0;                   // tokens in the cache
+  int pos = 0;  // tokens in the cache
+  int shifts = 0;
   std::vector<int64_t> carried;  // an answer's last token when it was cut short: sampled, not yet run
   nlohmann::json turns = nlohmann::json::array();
   Generation last;
@@ -376,15 +396,15 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
     if (!line.empty() && line.back() == '\r') line.pop_back();  // the line's end is not the message's
     if (trimmed(line).empty()) continue;
     std::vector<int64_t> turn = carried;
-    const std::vector<int64_t> user = chat_turn_tokens(tokenizer, format, pos == 0, o.system, line);
+    const std::vector<int64_t> user = chat_turn_tokens(tokenizer, format, turns.empty(), o.system, line);
     turn.insert(turn.end(), user.begin(), user.end());
-    if (pos + static_cast<int>(turn.size()) >= limits.seq_len) {
+    if (limits.seq_len && pos + static_cast<int>(turn.size()) >= limits.seq_len) {
       std::cerr << "the context is full (" << pos << " of " << limits.seq_len << " tokens used, this turn needs "
                 << turn.size() << " more): the chat ends here\n";
       break;
     }
     TextPrinter printer(&tokenizer, turn.back());
-    last = generate(chain, turn, width, manifest.vocab_size, limits, sampler, std::ref(printer), pos);
+    last = generate(chain, turn, width, manifest.vocab_size, limits, sampler, std::ref(printer), pos, shift);
     printer.finish();
     turns.push_back({{"start_pos", pos},
                      {"prompt", turn},
@@ -393,7 +413,8 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
                      {"stop_reason", last.stop_reason},
                      {"prefill_tokens_per_s", last.prefill_tokens_per_s()},
                      {"decode_tokens_per_s", last.decode_tokens_per_s()}});
-    pos += static_cast<int>(turn.size() + last.tokens.size()) - 1;
+    pos = last.in_cache;
+    shifts += last.context_shifts;
     carried.clear();
     if (!is_stop(last.tokens.back())) carried.push_back(last.tokens.back());
     if (last.stop_reason == "max_seq_len" || last.stop_reason == "seq_len") {
@@ -408,6 +429,7 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
                turns.size(), pos, last.prefill_tokens_per_s(), last.decode_tokens_per_s(), info.peak_rss_mb);
   nlohmann::json stats = stats_json(last, info);
   stats["turns"] = turns;
+  stats["chat_context_shifts"] = shifts;
   write_stats(o.stats_json, stats);
 }
 
@@ -426,7 +448,12 @@ int run(int argc, char** argv) {
   std::unique_ptr<Tokenizer> tokenizer;
   if (!manifest.tokenizer_file.empty())
     tokenizer = load_tokenizer(manifest.path_of(manifest.tokenizer_file), manifest.tokenizer_type);
-  Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : manifest.max_seq_len, manifest.max_seq_len, manifest.eos_ids};
+  std::optional<ContextShift> shift;
+  // Scored in chunks, a text never passes the context; streamed, it does.
+  if (o.context_shift && (o.eval.text_path.empty() || o.eval.stream)) shift.emplace(manifest, o.keep, o.evict);
+  const int default_seq_len = shift ? 0 : manifest.max_seq_len;
+  Limits limits{o.max_new_tokens, o.seq_len ? o.seq_len : default_seq_len, manifest.max_seq_len, manifest.eos_ids};
+  ContextShift* shifting = shift ? &*shift : nullptr;
   std::vector<int64_t> prompt;
   ChatTemplate chat_format = manifest.chat;
   if (!o.eval.text_path.empty()) {
@@ -444,10 +471,10 @@ int run(int argc, char** argv) {
     if (!o.system.empty() && !chat_format.has_system) {
       throw RunnerError("this model's chat template has no system role: drop --system");
     }
-    check_limits(1, limits);
+    check_limits(1, limits, shifting);
   } else {
     prompt = prompt_tokens(o, manifest, tokenizer.get());
-    check_limits(prompt.size(), limits);
+    check_limits(prompt.size(), limits, shifting);
   }
   if (has_qnn) warn_on_qnn_build_mismatch(manifest);
   RunInfo info;
@@ -461,7 +488,8 @@ int run(int argc, char** argv) {
   }
   Sampler sampler(o.temperature, o.top_p, info.seed);
   if (!o.eval.text_path.empty()) {
-    nlohmann::json result = evaluate(chain, manifest, *tokenizer, manifest.path_of(manifest.tokenizer_file), o.eval);
+    nlohmann::json result =
+        evaluate(chain, manifest, *tokenizer, manifest.path_of(manifest.tokenizer_file), o.eval, shifting);
     result["runner"] = "composite_runner";
     result["load_ms"] = info.load_ms;
     result["peak_rss_mb"] = peak_rss_mb();
@@ -469,12 +497,13 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (o.chat) {
-    chat(o, manifest, chat_format, *tokenizer, chain, limits, sampler, info);
+    chat(o, manifest, chat_format, *tokenizer, chain, limits, sampler, shifting, info);
     return 0;
   }
   TextPrinter printer(tokenizer.get(), prompt.back());
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
-  const Generation g = generate(chain, prompt, width, manifest.vocab_size, limits, sampler, std::ref(printer));
+  const Generation g =
+      generate(chain, prompt, width, manifest.vocab_size, limits, sampler, std::ref(printer), 0, shifting);
   printer.finish();
   if (g.stop_reason == "max_seq_len") std::cerr << "stopped: reached max_seq_len " << manifest.max_seq_len << "\n";
 

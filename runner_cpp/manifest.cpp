@@ -324,6 +324,20 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     m.n_kv_heads = require_int(model, "n_kv_heads", where + " model");
     m.head_dim = require_int(model, "head_dim", where + " model");
     m.vocab_size = require_int(model, "vocab_size", where + " model");
+    if (j.contains("rope") && !j["rope"].is_null()) {
+      const json& rope = j["rope"];
+      const json& freqs = require(rope, "inv_freq", where + " rope");
+      if (rope.value("convention", json()) != "rotate-half" || !freqs.is_array() ||
+          freqs.size() * 2 != static_cast<size_t>(m.head_dim)) {
+        throw RunnerError(where + ": rope must be rotate-half with head_dim / 2 inv_freq numbers");
+      }
+      for (const json& f : freqs) {
+        if (!f.is_number() || !std::isfinite(f.get<double>())) {
+          throw RunnerError(where + ": rope inv_freq must hold finite numbers");
+        }
+        m.rope_inv_freq.push_back(f.get<float>());
+      }
+    }
     m.max_seq_len = require_int(j, "max_seq_len", where);
     if (m.max_seq_len < 2 || m.vocab_size < 1 || m.n_layers < 0) {
       throw RunnerError(where + ": max_seq_len, vocab_size or n_layers is out of range");

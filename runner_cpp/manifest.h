@@ -69,6 +69,7 @@ struct Manifest {
   std::map<std::string, int> methods;  // name -> tokens per call
   std::vector<int64_t> k_shape, v_shape;
   float mask_hidden = 0.f;
+  std::vector<float> rope_inv_freq;            // the keys' rotary frequencies; empty in exports before context shift
   std::string tokenizer_file, tokenizer_type;  // empty when the export has no tokenizer
   int64_t bos_id = -1;
   std::vector<int64_t> eos_ids;  // every id that ends generation

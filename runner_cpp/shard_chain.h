@@ -33,6 +33,10 @@ class ShardChain : public TokenChain {
   const std::vector<double>& shard_seconds() const override { return shard_seconds_; }
   double kv_write_seconds() const override { return kv_write_seconds_; }
   void reset_stats() override;
+  void shift_cache(int keep, int evict, int used, const std::vector<float>& cos,
+                   const std::vector<float>& sin) override {
+    cache_.shift(keep, evict, used, cos, sin);
+  }
 
  private:
   struct HiddenConversion {  // into shard i's hidden input, from shard i-1's hidden output

@@ -229,10 +229,10 @@ def test_greedy_tokens_equal_transformers(instruct_export, instruct_folder):
     assert ours == hf_greedy(model, folder, hf_tokenizer_of(folder)(prompt)["input_ids"], 16)
 
 
-def run_chat(runner: str, export: Path, stats: Path, *flags: str) -> subprocess.CompletedProcess:
+def run_chat(runner: str, export: Path, stats: Path, *flags: str, turns=TURNS) -> subprocess.CompletedProcess:
     args = ["--artifacts", str(export), "--chat", "--system", SYSTEM, "--max_new_tokens", "8"]
     args += ["--stats_json", str(stats), *flags]
-    stdin = "\n".join(TURNS) + "\n"
+    stdin = "\n".join(turns) + "\n"
     if runner == "cpp":
         return subprocess.run([str(RUNNER), *args], input=stdin, capture_output=True, text=True)
     return subprocess.run(
@@ -279,6 +279,20 @@ def test_both_runners_chat_alike(instruct_export, tmp_path):
         outputs[runner] = ([(t["prompt"], t["tokens"], t["stop_reason"]) for t in turns], result.stdout)
     assert outputs["cpp"] == outputs["python"]
     assert outputs["cpp"][1].count("\n") == len(TURNS)  # one line of answer per turn
+
+
+def test_a_long_chat_goes_on_past_the_context_alike_in_both_runners(instruct_export, tmp_path):
+    """Twelve turns of ~25 tokens each in a context of 160: the oldest turns are evicted (the first
+    4 tokens kept) and every turn is answered, the same in both runners."""
+    outputs = {}
+    for runner in ("cpp", "python"):
+        result = run_chat(runner, instruct_export, tmp_path / f"{runner}.json", turns=TURNS * 4)
+        assert result.returncode == 0, result.stderr
+        stats = json.loads((tmp_path / f"{runner}.json").read_text())
+        assert len(stats["turns"]) == 12 and stats["chat_context_shifts"] >= 2, stats["chat_context_shifts"]
+        assert all(turn["start_pos"] < CHAT_SEQ_LEN for turn in stats["turns"])
+        outputs[runner] = [(t["prompt"], t["tokens"], t["start_pos"]) for t in stats["turns"]], result.stdout
+    assert outputs["cpp"] == outputs["python"]
 
 
 @pytest.mark.parametrize("runner", ["cpp", "python"])

@@ -111,11 +111,11 @@ def greedy_tokens(*args: str) -> list[int]:
     return json.loads(result.stdout)["tokens"]
 
 
-def cpp_stats(folder, stats, max_new_tokens: int = 32) -> tuple[dict, str]:
+def cpp_stats(folder, stats, max_new_tokens: int = 32, *flags: str) -> tuple[dict, str]:
     """composite_runner's greedy run of the test prompt: (its stats JSON, its stderr)."""
     result = subprocess.run(
         [str(RUNNER), "--artifacts", str(folder), "--prompt", "Once upon a time"]
-        + ["--max_new_tokens", str(max_new_tokens), "--stats_json", str(stats)],
+        + ["--max_new_tokens", str(max_new_tokens), "--stats_json", str(stats), *flags],
         capture_output=True,
         text=True,
     )

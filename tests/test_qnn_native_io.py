@@ -155,6 +155,20 @@ def test_native_io_runners_agree_and_hold_the_cache_in_its_width(needs_runner, n
             assert held == float32
 
 
+def test_a_quantized_cache_shifted_past_the_context_gives_the_same_tokens_in_both_runners(
+    needs_runner, quantized_exports, tmp_path
+):
+    """The QNN shards' uint16 caches, dequantized, re-rotated and quantized again with each layer's
+    own scale and zero point by both runners (composite/runtime/context_shift.py), past a context
+    of 96 three times."""
+    folder = quantized_exports["16a4w"][0]
+    args = ["--prompt", "Once upon a time", "--max-new-tokens", "160", "--evict", "40", "--json"]
+    python = json.loads(run_cli("composite.run", "--artifacts", str(folder), *args, check=True).stdout)
+    figures, _ = cpp_stats(folder, tmp_path / "stats.json", 160, "--evict", "40")
+    assert python["context_shifts"] == figures["context_shifts"] >= 2
+    assert figures["tokens"] == python["tokens"] and len(python["tokens"]) == 160
+
+
 def quantized_io_manifest_error(folder, tmp_path, edit) -> list[str]:
     """The one error line of each runner on a copy of `folder` whose manifest `edit` changed."""
     copy = tmp_path / "edited"

@@ -43,7 +43,9 @@ from composite.eval.scoring import (
     first_scored,
     read_text,
 )
+from composite.eval.stream import evaluate_stream, report_stream
 from composite.lowering.calibration import sqnr_db
+from composite.runtime import context_shift
 from composite.runtime.chain import ShardChain
 from composite.runtime.encoding import Encoding, convert
 from composite.runtime.reference import reference_model
@@ -65,6 +67,12 @@ def parse_args(argv):
     p.add_argument("--per-shard", action="store_true", help="each shard's output SQNR against the float shard")
     p.add_argument("--kld-base-out", help="write the reference's probabilities here (needs --reference)")
     p.add_argument("--k", type=int, default=kld_base.DEFAULT_K, help="top tokens per position in --kld-base-out")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="score every token through the runner's shifting context instead of in chunks (composite/eval/stream.py)",
+    )
+    context_shift.add_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
     return p.parse_args(argv)
@@ -124,6 +132,31 @@ class ShardErrors:
         return out
 
 
+def streamed(args, folder: Path, manifest: dict, tokenizer) -> dict:
+    """--stream (composite/eval/stream.py)."""
+    given = [
+        flag
+        for flag, value in (
+            ("--ctx", args.ctx),
+            ("--kld-base", args.kld_base),
+            ("--kld-base-out", args.kld_base_out),
+            ("--per-shard", args.per_shard),
+            ("--score", args.score != "all"),
+        )
+        if value
+    ]
+    if given:
+        raise UserError(f"--stream scores every token through the export's context: drop {', '.join(given)}")
+    if args.reference not in (None, "eager"):
+        raise UserError("--stream compares with the float model only: --reference eager")
+    if args.limit_tokens is not None and args.limit_tokens < 2:
+        raise UserError(f"--limit-tokens must be at least 2, got {args.limit_tokens}")
+    shift = context_shift.from_flags(args, manifest)
+    ids = eval_tokens(tokenizer, read_text(args.text), args.limit_tokens)
+    reference = reference_model(manifest) if args.reference == "eager" else None
+    return evaluate_stream(ShardChain(folder), manifest, ids, shift, reference)
+
+
 def evaluate(args) -> dict:
     folder = Path(args.artifacts)
     manifest = manifest_schema.read(folder)
@@ -131,6 +164,10 @@ def evaluate(args) -> dict:
     if not entry:
         raise UserError("this export has no tokenizer, so it cannot read a text")
     tokenizer = Tokenizer(folder / entry["file"], entry["type"])
+    if args.stream:
+        return streamed(args, folder, manifest, tokenizer)
+    if args.keep is not None or args.evict is not None or args.no_context_shift:
+        raise UserError("--keep, --evict and --no-context-shift are for --stream (chunks never pass the context)")
     ctx = args.ctx or manifest["max_seq_len"]
     if ctx > manifest["max_seq_len"]:
         raise UserError(f"--ctx {ctx} is larger than this export's max_seq_len {manifest['max_seq_len']}")
@@ -240,7 +277,7 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps(result))
     else:
-        report(result)
+        (report_stream if args.stream else report)(result)
 
 
 if __name__ == "__main__":

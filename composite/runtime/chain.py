@@ -106,9 +106,9 @@ class ShardChain(Chain):
         self.manifest = manifest_schema.read(self.folder)
         manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
         shards = self.manifest["shards"]
-        shared = manifest_schema.weight_shared_shards(self.manifest)
+        shared = weight_shared_shards(self.manifest)
         if shared:
-            raise UserError(manifest_schema.weight_sharing_refusal(shared))
+            raise UserError(weight_sharing_refusal(shared))
         if any(shard["placement"]["backend"] == "qnn" for shard in self.manifest["shards"]):
             qnn_host.activate()  # QNN shards run on the x86 HTP simulator: needs the loader path set
         cpu_ops = {op for shard in self.manifest["shards"] for ops in shard.get("cpu_ops", {}).values() for op in ops}
@@ -150,6 +150,25 @@ class ShardChain(Chain):
             self.manifest["mask"]["hidden"],
             [hidden_encodings(shard) for shard in shards],
         )
+
+
+def weight_shared_shards(manifest: dict) -> list[int]:
+    return [shard["index"] for shard in manifest["shards"] if shard.get("weight_sharing")]
+
+
+def weight_sharing_refusal(indices: list[int]) -> str:
+    """Why a runner on this host cannot load weight-shared QNN shards (composite_runner on x86
+    says the same)."""
+    one = len(indices) == 1
+    which = (
+        f"shard {indices[0]} of this export shares"
+        if one
+        else f"shards {', '.join(map(str, indices))} of this export share"
+    )
+    return (
+        f"{which} QNN weights between decode and prefill, which only a device loads "
+        "(the x86 HTP simulator cannot); re-export with --no-weight-sharing to run it on this host"
+    )
 
 
 def check_operators(shards: list[dict]) -> None:

@@ -52,6 +52,7 @@ class Turn:
 class Conversation:
     turns: list[Turn] = field(default_factory=list)
     in_cache: int = 0  # tokens the cache holds
+    context_shifts: int = 0
     context_full: str | None = None  # why the chat ended early, said in one line
 
 
@@ -66,9 +67,12 @@ def chat(
     system: str | None = None,
     on_turn_start: Callable[[list[int]], Callable[[int], None] | None] | None = None,
     on_turn_end: Callable[[], None] | None = None,
+    shift=None,
 ) -> Conversation:
     """One user turn per non-blank line. An answer ends at any stop id; one cut short keeps its
-    last token, sampled but not yet in the cache, for the next turn to prefill."""
+    last token, sampled but not yet in the cache, for the next turn to prefill. seq_len: tokens in
+    all (0: no limit); shift: a ContextShift that evicts the oldest turns past the context, or None
+    to end the chat at seq_len."""
     if not manifest.get("chat"):
         raise UserError(
             "this export records no chat template (its tokenizer has none): export with --chat-template FILE"
@@ -82,9 +86,9 @@ def chat(
         line = line.removesuffix("\n").removesuffix("\r")  # the line's end is not the message's
         if not line.strip(WHITESPACE):
             continue
-        first = conversation.in_cache == 0
+        first = not conversation.turns and not carried
         turn = carried + turn_tokens(tokenizer, manifest["chat"], first, system, line)
-        if conversation.in_cache + len(turn) >= seq_len:
+        if seq_len and conversation.in_cache + len(turn) >= seq_len:
             conversation.context_full = (
                 f"the context is full ({conversation.in_cache} of {seq_len} tokens used, this turn needs "
                 f"{len(turn)} more): the chat ends here"
@@ -100,11 +104,13 @@ def chat(
             on_token=on_token,
             seq_len=seq_len,
             start_pos=conversation.in_cache,
+            shift=shift,
         )
         if on_turn_end:
             on_turn_end()
         conversation.turns.append(Turn(conversation.in_cache, turn, g))
-        conversation.in_cache += len(turn) + len(g.tokens) - 1
+        conversation.in_cache = g.in_cache
+        conversation.context_shifts += g.context_shifts
         carried = [] if g.tokens[-1] in stops else [g.tokens[-1]]
         if g.stop_reason in ("max_seq_len", "seq_len"):
             conversation.context_full = f"the context is full ({seq_len} tokens): the chat ends here"

@@ -31,6 +31,9 @@ class Generation:
     decode_shard_ms_per_token: list[float] = field(default_factory=list)
     prefill_kv_write_ms_per_token: float = 0.0
     decode_kv_write_ms_per_token: float = 0.0
+    in_cache: int = 0  # tokens in the cache after the last one run (the last token is not yet in it)
+    context_shifts: int = 0
+    context_shift_seconds: float = 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -41,13 +44,18 @@ class Generation:
         return self.decode_calls / self.decode_seconds if self.decode_calls and self.decode_seconds else 0.0
 
 
-def check_lengths(prompt: list[int], max_new_tokens: int, seq_len: int, max_seq_len: int, in_cache: int = 0) -> None:
-    """in_cache: tokens already in the cache before the prompt."""
+def check_lengths(
+    prompt: list[int], max_new_tokens: int, seq_len: int, max_seq_len: int, in_cache: int = 0, shift=None
+) -> None:
+    """in_cache: tokens already in the cache before the prompt. seq_len 0: no limit (a context
+    shift makes room past max_seq_len); shift: the ContextShift, or None to stop at the wall."""
     if not prompt:
         raise UserError("the prompt is empty")
-    if seq_len > max_seq_len:
+    if shift is None and seq_len > max_seq_len:
         raise UserError(f"--seq-len {seq_len} is beyond this export's max_seq_len {max_seq_len}")
-    if in_cache + len(prompt) >= seq_len:
+    if shift is not None:
+        shift.check_prompt(len(prompt))
+    if seq_len and in_cache + len(prompt) >= seq_len:
         raise UserError(
             f"the prompt has {in_cache + len(prompt)} tokens but the sequence limit is {seq_len} "
             f"(max_seq_len {max_seq_len}): nothing left to generate"
@@ -63,7 +71,7 @@ def stop_reason(token: int, generated: int, total: int, limits: Limits) -> str |
         return "eos"
     if generated >= limits.max_new_tokens:
         return "max_new_tokens"
-    if total >= limits.seq_len:
+    if limits.seq_len and total >= limits.seq_len:
         return "max_seq_len" if limits.seq_len == limits.max_seq_len else "seq_len"
     return None
 
@@ -71,7 +79,7 @@ def stop_reason(token: int, generated: int, total: int, limits: Limits) -> str |
 @dataclass(frozen=True)
 class Limits:
     max_new_tokens: int
-    seq_len: int
+    seq_len: int  # tokens in all, prompt included; 0: no limit
     max_seq_len: int
     eos_ids: tuple = ()
 
@@ -79,17 +87,33 @@ class Limits:
         check_lengths(prompt, self.max_new_tokens, self.seq_len, self.max_seq_len)
 
 
-def prefill(chain, prompt: list[int], keep_logits: bool, generation: Generation, start_pos: int = 0) -> torch.Tensor:
+def default_seq_len(seq_len: int | None, max_seq_len: int, shift) -> int:
+    """--seq-len's default: the export's context without a context shift, no limit with one."""
+    return seq_len or (0 if shift is not None else max_seq_len)
+
+
+def run_call(chain, shift, method: str, tokens: list[int], pos: int) -> tuple[torch.Tensor, int]:
+    """One call of `method` at position pos, after a context shift if the cache has no room for it;
+    -> (logits of the last token, the position the call ran at)."""
+    if shift is not None:
+        pos = shift.room(chain.cache, pos, len(tokens))
+    return chain.forward(method, tokens, pos), pos
+
+
+def prefill(
+    chain, prompt: list[int], keep_logits: bool, generation: Generation, start_pos: int = 0, shift=None
+) -> tuple[torch.Tensor, int]:
+    """-> (logits of the prompt's last token, the position after it)."""
     width = chain.methods[PREFILL]
-    last = None
+    last, pos = None, start_pos
     for start in range(0, len(prompt), width):
         chunk = prompt[start : start + width]
         # A lone trailing token is cheaper through decode than padded through prefill.
-        method = DECODE if len(chunk) == 1 else PREFILL
-        last = chain.forward(method, chunk, start_pos + start)
+        last, pos = run_call(chain, shift, DECODE if len(chunk) == 1 else PREFILL, chunk, pos)
+        pos += len(chunk)
         if keep_logits:
-            generation.logits[start_pos + start + len(chunk) - 1] = last.clone()
-    return last
+            generation.logits[pos - 1] = last.clone()
+    return last, pos
 
 
 def generate(
@@ -102,38 +126,48 @@ def generate(
     on_token=None,
     seq_len: int | None = None,
     start_pos: int = 0,
+    shift=None,
 ) -> Generation:
-    """seq_len: tokens in all, prompt included (default: the export's max_seq_len). start_pos: the
-    cache already holds that many tokens before the prompt (a chat's later turns); 0 starts afresh."""
-    limits = Limits(max_new_tokens, seq_len or chain.max_seq_len, chain.max_seq_len, tuple(eos_ids))
-    check_lengths(prompt, max_new_tokens, limits.seq_len, limits.max_seq_len, in_cache=start_pos)
+    """seq_len: tokens in all, prompt included (default: the export's max_seq_len without a shift,
+    no limit with one). start_pos: the cache already holds that many tokens before the prompt (a
+    chat's later turns); 0 starts afresh. shift: a ContextShift, or None to stop at max_seq_len."""
+    limits = Limits(
+        max_new_tokens, default_seq_len(seq_len, chain.max_seq_len, shift), chain.max_seq_len, tuple(eos_ids)
+    )
+    check_lengths(prompt, max_new_tokens, limits.seq_len, limits.max_seq_len, in_cache=start_pos, shift=shift)
     if start_pos == 0:
         chain.reset()
     chain.reset_stats()
+    shifts_before, shift_seconds_before = (shift.shifts, shift.seconds) if shift is not None else (0, 0.0)
     generation = Generation(list(prompt))
     started = time.perf_counter()
-    logits = prefill(chain, prompt, keep_logits, generation, start_pos)
+    logits, pos = prefill(chain, prompt, keep_logits, generation, start_pos, shift)
     token = sampler(logits)
     generation.prefill_seconds = generation.first_token_seconds = time.perf_counter() - started
     generation.prefill_shard_ms_per_token = [s * 1e3 / len(prompt) for s in chain.shard_seconds]
     generation.prefill_kv_write_ms_per_token = chain.kv_write_seconds * 1e3 / len(prompt)
     chain.reset_stats()
-    pos = start_pos + len(prompt)
+    total = start_pos + len(prompt)  # tokens so far, the evicted ones included
     decode_started = time.perf_counter()
     while True:
         generation.tokens.append(token)
         if on_token is not None:
             on_token(token)
-        generation.stop_reason = stop_reason(token, len(generation.tokens), pos + 1, limits)
+        generation.stop_reason = stop_reason(token, len(generation.tokens), total + 1, limits)
         if generation.stop_reason:
             break
-        logits = chain.forward(DECODE, [token], pos)
+        logits, pos = run_call(chain, shift, DECODE, [token], pos)
         generation.decode_calls += 1
         if keep_logits:
             generation.logits[pos] = logits.clone()
         token = sampler(logits)
         pos += 1
+        total += 1
     generation.decode_seconds = time.perf_counter() - decode_started
+    generation.in_cache = pos
+    if shift is not None:
+        generation.context_shifts = shift.shifts - shifts_before
+        generation.context_shift_seconds = shift.seconds - shift_seconds_before
     calls = generation.decode_calls
     generation.decode_shard_ms_per_token = [s * 1e3 / calls if calls else 0.0 for s in chain.shard_seconds]
     generation.decode_kv_write_ms_per_token = chain.kv_write_seconds * 1e3 / calls if calls else 0.0
@@ -157,6 +191,8 @@ def stats(generation: Generation, manifest: dict, runner: str, **run_info) -> di
         "prefill_shard_ms_per_token": generation.prefill_shard_ms_per_token,
         "prefill_kv_write_ms_per_token": generation.prefill_kv_write_ms_per_token,
         "prefill_width": manifest["methods"][PREFILL],
+        "context_shifts": generation.context_shifts,
+        "context_shift_ms": generation.context_shift_seconds * 1e3,
         "shard_backends": [(s.get("backends") or ["portable"])[0] for s in manifest["shards"]],
         "shard_layers": [shard_label(s) for s in manifest["shards"]],
         **memory_figures(manifest),

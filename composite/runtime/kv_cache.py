@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from composite.runtime.context_shift import rotate_keys
+
 
 class KVCache:
     """One k and one v tensor per layer, shaped as the manifest's kv_cache says, updated in place.
@@ -26,6 +28,21 @@ class KVCache:
         entries come in the cache's own encoding)."""
         self.k[layer][:, :, pos : pos + count] = k_new[:, :, :count]
         self.v[layer][:, pos : pos + count, :] = v_new[:, :count, :]
+
+    def shift(self, keep: int, evict: int, used: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Context shift (composite/runtime/context_shift.py): slots keep+evict .. used-1 move down
+        to keep .. used-evict-1, their keys rotated by the angle of cos/sin [head_dim/2] in float32
+        and re-encoded in the layer's encoding; the freed slots are emptied."""
+        moved, to = slice(keep + evict, used), slice(keep, used - evict)
+        freed = slice(used - evict, used)
+        for layer, (k_encoding, v_encoding) in enumerate(self.encodings):
+            k, v = self.k[layer], self.v[layer]
+            keys = k[:, :, moved].to(torch.float32) if k_encoding is None else k_encoding.decode(k[:, :, moved])
+            rotated = rotate_keys(keys, cos, sin)
+            k[:, :, to] = rotated if k_encoding is None else k_encoding.encode(rotated)
+            v[:, to] = v[:, moved].clone()  # the ranges overlap
+            k[:, :, freed] = 0 if k_encoding is None else k_encoding.empty_value
+            v[:, freed] = 0 if v_encoding is None else v_encoding.empty_value
 
     def reset(self) -> None:
         for layer, (k, v) in enumerate(self.encodings):

@@ -36,7 +36,12 @@ class CountingChain : public TokenChain {
     kv_seconds_ = 0;
   }
 
+  void shift_cache(int keep, int evict, int used, const std::vector<float>&, const std::vector<float>&) override {
+    shifts.push_back({keep, evict, used});
+  }
+
   std::vector<Call> calls;
+  std::vector<std::vector<int>> shifts;  // keep, evict, used
 
  private:
   std::vector<float> logits_;
@@ -44,8 +49,8 @@ class CountingChain : public TokenChain {
   double kv_seconds_ = 0;
 };
 
-Limits limits(int max_new_tokens, int seq_len, std::vector<int64_t> eos = {}) {
-  return Limits{max_new_tokens, seq_len, 64, std::move(eos)};
+Limits limits(int max_new_tokens, int seq_len, std::vector<int64_t> eos = {}, int max_seq_len = 64) {
+  return Limits{max_new_tokens, seq_len, max_seq_len, std::move(eos)};
 }
 
 }  // namespace
@@ -141,4 +146,51 @@ TEST(Generate, PlacesAPromptAfterWhatTheCacheHolds) {
   EXPECT_EQ(g.tokens, (std::vector<int64_t>{5, 6}));
   // The tokens before count against the sequence limit.
   EXPECT_THROW(generate(chain, {1, 2, 3, 4}, 3, 100, limits(2, 14), greedy, nullptr, 10), RunnerError);
+}
+
+namespace {
+
+composite::Manifest shift_manifest(int max_seq_len, int prefill) {
+  composite::Manifest m;
+  m.max_seq_len = max_seq_len;
+  m.head_dim = 4;
+  m.methods = {{"decode", 1}, {"prefill", prefill}};
+  m.rope_inv_freq = {1.f, 0.01f};
+  return m;
+}
+
+}  // namespace
+
+TEST(Generate, PastTheContextEvictsAfterTheKeptTokensAndGoesOn) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  composite::ContextShift shift(shift_manifest(16, 4), 2, 5);
+  const Generation g = generate(chain, {1, 2, 3, 4, 5, 6}, 4, 100, limits(30, 0, {}, 16), greedy, nullptr, 0, &shift);
+  ASSERT_EQ(g.tokens.size(), 30u);
+  EXPECT_EQ(g.stop_reason, "max_new_tokens");
+  // 6 prompt tokens + 29 decode calls = 35 positions in a context of 16: shifts at 16, 27, 38-5...
+  ASSERT_FALSE(chain.shifts.empty());
+  for (const auto& s : chain.shifts) {
+    EXPECT_EQ(s[0], 2);
+    EXPECT_EQ(s[1], 5);
+    EXPECT_EQ(s[2], 16);  // a decode call shifts only when the context is full
+  }
+  EXPECT_EQ(g.context_shifts, static_cast<int>(chain.shifts.size()));
+  for (const auto& call : chain.calls) EXPECT_LT(call.pos + static_cast<int>(call.tokens.size()) - 1, 16);
+  EXPECT_EQ(g.in_cache, 6 + 29 - 5 * g.context_shifts);
+}
+
+TEST(Generate, AContextShiftRefusesAPromptThatCannotFitAndOutOfRangeSettings) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  composite::ContextShift shift(shift_manifest(16, 4), 4, -1);
+  EXPECT_EQ(shift.evict(), 3);  // a quarter of the 12 evictable
+  EXPECT_THROW(generate(chain, std::vector<int64_t>(12, 1), 4, 100, limits(5, 0, {}, 16), greedy, nullptr, 0, &shift),
+               RunnerError);
+  EXPECT_THROW(composite::ContextShift(shift_manifest(16, 4), 13, -1), RunnerError);  // no room for a prefill call
+  EXPECT_THROW(composite::ContextShift(shift_manifest(16, 4), 4, 0), RunnerError);
+  EXPECT_THROW(composite::ContextShift(shift_manifest(16, 4), 4, 13), RunnerError);
+  composite::Manifest old = shift_manifest(16, 4);
+  old.rope_inv_freq.clear();
+  EXPECT_THROW(composite::ContextShift(old, 4, -1), RunnerError);
 }

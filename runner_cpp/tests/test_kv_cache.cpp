@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <vector>
+
 #include "encoding.h"
 #include "kv_cache.h"
 
@@ -103,4 +106,86 @@ TEST(Float16, EveryFiniteHalfSurvivesTheRoundTrip) {
   }
   EXPECT_EQ(composite::float_from_half(0x0001), 5.960464477539063e-08f);
   EXPECT_EQ(composite::float_from_half(0xc248), -3.140625f);
+}
+
+namespace {
+
+// Key d of head h at position p before RoPE: any fixed values will do.
+float raw_key(int h, int d, int p) { return 0.5f * std::sin(1.3f * p + 0.7f * d + 2.1f * h) + 0.1f * d; }
+
+// The same key after RoPE at `position` (rotate-half pairs d and d + hd/2), as the model computes it.
+float roped_key(int h, int d, int p, int position, int hd, const std::vector<float>& inv_freq) {
+  const int half = hd / 2, i = d % half;
+  const double angle = static_cast<double>(position) * inv_freq[i];
+  const double c = std::cos(angle), s = std::sin(angle);
+  const double x1 = raw_key(h, i, p), x2 = raw_key(h, i + half, p);
+  return static_cast<float>(d < half ? x1 * c - x2 * s : x2 * c + x1 * s);
+}
+
+}  // namespace
+
+// A shifted cache equals the cache of the same tokens computed at their new positions: float32
+// up to rounding, a quantized layer within 1.25 steps of its encoding (the first encoding's half
+// step, rotated, then the second's), values moved exactly.
+TEST(KVCache, AContextShiftMovesTheEntriesAndReRotatesTheKeysToTheirNewPositions) {
+  const int kv = 2, hd = 8, S = 32, keep = 3, evict = 7, used = 30;
+  const std::vector<float> inv_freq = {1.f, 0.3f, 0.05f, 0.001f};
+  const Encoding k16{Encoding::Kind::UInt16, 0.0001f, 32768}, v8{Encoding::Kind::UInt8, 0.05f, 100};
+  const Encoding k8{Encoding::Kind::UInt8, 0.01f, 128}, f16{Encoding::Kind::Float16};
+  const std::vector<std::pair<Encoding, Encoding>> layers = {
+      {Encoding{}, Encoding{}}, {k16, v8}, {k8, f16}, {f16, f16}};
+  KVCache cache(kv, hd, S, layers);
+  for (size_t layer = 0; layer < layers.size(); ++layer) {
+    std::vector<float> k_new(kv * hd * used), v_new(kv * used * hd);
+    for (int h = 0; h < kv; ++h) {
+      for (int d = 0; d < hd; ++d) {
+        for (int p = 0; p < used; ++p) {
+          k_new[(h * hd + d) * used + p] = roped_key(h, d, p, p, hd, inv_freq);
+          v_new[(h * used + p) * hd + d] = raw_key(h + 5, d, p);
+        }
+      }
+    }
+    std::vector<float> k_encoded(k_new.size() * 2), v_encoded(v_new.size() * 2);  // room for any encoding
+    convert(k_new.data(), Encoding{}, k_encoded.data(), layers[layer].first, k_new.size());
+    convert(v_new.data(), Encoding{}, v_encoded.data(), layers[layer].second, v_new.size());
+    cache.write(static_cast<int>(layer), k_encoded.data(), v_encoded.data(), used, 0, used);
+  }
+  std::vector<float> v_before(kv * S * hd), cos(hd / 2), sin(hd / 2);
+  convert(cache.v(1), v8, v_before.data(), Encoding{}, v_before.size());
+  for (int i = 0; i < hd / 2; ++i) {
+    cos[i] = static_cast<float>(std::cos(-evict * static_cast<double>(inv_freq[i])));
+    sin[i] = static_cast<float>(std::sin(-evict * static_cast<double>(inv_freq[i])));
+  }
+  cache.shift(keep, evict, used, cos, sin);
+  for (size_t layer = 0; layer < layers.size(); ++layer) {
+    const auto& [k_enc, v_enc] = layers[layer];
+    std::vector<float> k(kv * hd * S), v(kv * S * hd);
+    convert(cache.k(static_cast<int>(layer)), k_enc, k.data(), Encoding{}, k.size());
+    convert(cache.v(static_cast<int>(layer)), v_enc, v.data(), Encoding{}, v.size());
+    const float step = k_enc.kind == Encoding::Kind::Float32 ? 1e-6f
+                       : k_enc.kind == Encoding::Kind::Float16
+                           ? 1e-3f
+                           : k_enc.scale * 1.25f;  // a half step rotated, then a half step
+    for (int h = 0; h < kv; ++h) {
+      for (int d = 0; d < hd; ++d) {
+        for (int slot = 0; slot < S; ++slot) {
+          const float got = k[(h * hd + d) * S + slot];
+          if (slot >= used - evict) {
+            EXPECT_EQ(got, 0.f) << "freed slot " << slot;
+            EXPECT_EQ(v[(h * S + slot) * hd + d], 0.f);
+            continue;
+          }
+          const int source = slot < keep ? slot : slot + evict;  // the token that now sits here
+          EXPECT_NEAR(got, roped_key(h, d, source, slot, hd, inv_freq), step) << "layer " << layer << " slot " << slot;
+        }
+      }
+    }
+    if (layer == 1) {  // values move as they are: bit for bit
+      for (int h = 0; h < kv; ++h) {
+        for (int slot = keep; slot < used - evict; ++slot) {
+          for (int d = 0; d < hd; ++d) EXPECT_EQ(v[(h * S + slot) * hd + d], v_before[(h * S + slot + evict) * hd + d]);
+        }
+      }
+    }
+  }
 }
