@@ -204,7 +204,9 @@ def test_bad_input(six, default_exports, tmp_path):
         run_runner("--artifacts", str(six), "--frobnicate", "1", "--prompt", "x")
     )
     assert "max_seq_len" in one_error_line(run_runner("--artifacts", str(six), "--prompt", "word " * 300))
-    assert "beyond" in one_error_line(run_runner("--artifacts", str(six), "--prompt", "hi", "--seq_len", "100000"))
+    # A limit beyond the context is one only without a context shift, which goes on past it.
+    walled = ("--prompt", "hi", "--seq_len", "100000", "--no_context_shift")
+    assert "beyond" in one_error_line(run_runner("--artifacts", str(six), *walled))
     assert "empty" in one_error_line(run_runner("--artifacts", str(six), "--prompt", ""))
     bad_utf8 = tmp_path / "bad.txt"
     bad_utf8.write_bytes(b"caf\xe9 \xff")
