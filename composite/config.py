@@ -48,6 +48,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import yaml
@@ -60,14 +61,10 @@ XNNPACK_DTYPES = ("fp32", "fp16")
 XNNPACK_ATTENTION = ("graph", "kernel")
 XNNPACK_HEAD_QUANTIZE = ("8da8w", "same", "none")
 XNNPACK_WEIGHT_MAPPING = ("symmetric_no_clipping_err", "symmetric")
-# Each SoC's HTP architecture (ExecuTorch 1.5.1, backends/qualcomm/utils/utils.py:
-# get_soc_to_htp_arch_map) and the oldest architecture each precision compiles for, as ExecuTorch's
-# QNN quantizer checks it (quantizer/annotators/htp_rules.py: validate_lpbq_support, V69;
-# validate_16a16w_support, V73): an older HTP is refused before any work.
-QNN_SOC_ARCH = {"SM8350": 68, "SM8450": 69, "SM8475": 69, "SM8550": 73, "SM8650": 75, "SM8750": 79, "SM8850": 81}
-QNN_SOCS = tuple(QNN_SOC_ARCH)
+# The SoCs composite lowers QNN shards for; each one's HTP architecture, and which precisions it
+# runs, are ExecuTorch's own facts (htp_arch, precision_runs_on).
+QNN_SOCS = ("SM8350", "SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
 QNN_PRECISIONS = ("fp16", "16a4w", "16a4w_block", "16a8w", "8a8w", "16a16w")
-QNN_PRECISION_MIN_ARCH = {"16a4w_block": 69, "16a16w": 73}
 QNN_BLOCK_SIZES = (16, 32, 64)
 QNN_ROUNDINGS = (
     "nearest",
@@ -363,15 +360,37 @@ def _check_qnn_details(options: dict, where: str) -> None:
             raise UserError(f"{where}: {key} must be a list of names, e.g. [aten.linear.default]")
 
 
+def htp_arch(soc: str) -> int:
+    """`soc`'s HTP architecture (75 for v75), from ExecuTorch's SoC table."""
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset, _soc_info_table
+
+    try:
+        return int(_soc_info_table[QcomChipset[soc]].htp_info.htp_arch.value)
+    except KeyError:
+        raise UserError(f"ExecuTorch does not know the HTP architecture of SoC {soc}") from None
+
+
+def precision_runs_on(precision: str) -> Callable[[str], bool] | None:
+    """The check ExecuTorch's QNN quantizer makes of a SoC before it quantizes at `precision`
+    (quantizer/annotators/htp_rules.py: LPBQ for 16a4w_block, 16-bit weights for 16a16w), as a
+    predicate of the SoC's name; None where it makes none."""
+    from executorch.backends.qualcomm.quantizer.annotators import htp_rules
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset, _soc_info_table
+
+    rule = {"16a4w_block": htp_rules.validate_lpbq_support, "16a16w": htp_rules.validate_16a16w_support}.get(precision)
+    return None if rule is None else lambda soc: bool(rule(_soc_info_table[QcomChipset[soc]]))
+
+
 def _check_qnn_arch(options: dict, where: str) -> None:
     """Every precision the shard uses (its own, its overrides') compiles for its SoC's HTP."""
     soc = options["soc"]
     for precision in (options["precision"], *(options.get("overrides") or {}).values()):
-        needed = QNN_PRECISION_MIN_ARCH.get(precision)
-        if needed is not None and QNN_SOC_ARCH[soc] < needed:
+        runs_on = precision_runs_on(precision)
+        if runs_on is not None and not runs_on(soc):
+            oldest = min(htp_arch(other) for other in QNN_SOCS if runs_on(other))
             raise UserError(
-                f"{where}: qnn precision {precision} needs an HTP of v{needed} or newer; {soc}'s is "
-                f"v{QNN_SOC_ARCH[soc]} (use 16a4w or 16a8w there, or another SoC)"
+                f"{where}: qnn precision {precision} needs an HTP of v{oldest} or newer; {soc}'s is "
+                f"v{htp_arch(soc)} (use 16a4w or 16a8w there, or another SoC)"
             )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 from composite import manifest as manifest_schema
 from composite import qnn_host
 from composite.bundle import library_closure
+from composite.config import htp_arch
 from composite.errors import UserError, exits_cleanly
 from composite.manifest import sha256_file as file_sha256
 
@@ -147,18 +148,6 @@ def qnn_socs(manifest: dict) -> list[str]:
     return sorted({s["placement"]["options"]["soc"] for s in manifest["shards"] if s["placement"]["backend"] == "qnn"})
 
 
-def htp_arch(soc: str) -> int:
-    from executorch.backends.qualcomm.serialization.qc_schema import (
-        QcomChipset,
-        _soc_info_table,
-    )
-
-    try:
-        return _soc_info_table[QcomChipset[soc]].htp_info.htp_arch.value
-    except KeyError:
-        raise UserError(f"ExecuTorch does not know the HTP architecture of SoC {soc}") from None
-
-
 def qnn_libraries(manifest: dict, transport_name: str) -> list[Path]:
     """The QNN runtime libraries the export's SoCs need, from QNN_SDK_ROOT (on a phone) or from
     the host libraries composite runs the HTP simulator with (--transport local)."""
@@ -191,6 +180,24 @@ def qnn_libraries(manifest: dict, transport_name: str) -> list[Path]:
     return needed
 
 
+def check_qnn_version(manifest: dict, libraries: list[Path], transport_name: str, allow_mismatch: bool) -> None:
+    """The QNN libraries to push are the version the export's context binaries were compiled with
+    (a context binary from one QNN version is refused, or misbehaves, under another's libraries)."""
+    expected = (manifest.get("qnn") or {}).get("build_id")
+    if not expected or not libraries:
+        return
+    if transport_name == "local":
+        found = qnn_host.prepare().build_id  # the host libraries answer themselves
+    else:
+        htp = next(lib for lib in libraries if lib.name == "libQnnHtp.so")
+        found = qnn_host.build_id_in_file(htp) or f"of unknown version ({htp} names none)"
+    if found != expected and not allow_mismatch:
+        raise UserError(
+            f"the export's QNN shards were compiled with QNN {expected} but the QNN libraries to push are {found}: "
+            f"export again with these libraries or push those of {expected} (--allow-qnn-mismatch pushes anyway)"
+        )
+
+
 def default_runner(transport_name: str) -> Path:
     return PROJECT / ("build/composite_runner" if transport_name == "local" else "build-android/composite_runner")
 
@@ -206,6 +213,7 @@ def plan_files(
     device_dir: str,
     library_path: list[Path],
     eval_files: tuple[Path, ...] = (),
+    allow_qnn_mismatch: bool = False,
 ) -> list[tuple[Path, str]]:
     """Everything to push, checked to exist before anything is pushed."""
     if not runner.is_file():
@@ -219,7 +227,9 @@ def plan_files(
         files.append((artifacts / manifest["tokenizer"]["file"], manifest["tokenizer"]["file"]))
     files.append((runner, "composite_runner"))
     files += [(lib, lib.name) for lib in library_closure(runner, library_path)]
-    files += [(lib, f"{QNN_SUBDIR}/{lib.name}") for lib in qnn_libraries(manifest, transport_name)]
+    qnn = qnn_libraries(manifest, transport_name)
+    check_qnn_version(manifest, qnn, transport_name, allow_qnn_mismatch)
+    files += [(lib, f"{QNN_SUBDIR}/{lib.name}") for lib in qnn]
     for local in eval_files:
         if not local.is_file():
             raise UserError(f"{local} does not exist")
@@ -236,7 +246,9 @@ def push(args) -> None:
     runner = Path(args.runner) if args.runner else default_runner(args.transport)
     library_path = [Path(d) for d in args.library_path.split(os.pathsep) if d] if args.library_path else []
     eval_files = tuple(Path(f) for f in (args.eval_text, args.kld_base) if f)
-    files = plan_files(artifacts, manifest, runner, args.transport, args.device_dir, library_path, eval_files)
+    files = plan_files(
+        artifacts, manifest, runner, args.transport, args.device_dir, library_path, eval_files, args.allow_qnn_mismatch
+    )
     transport = open_transport(args)
     on_device = transport.sha256([remote for _, remote in files])
     pushed, skipped, pushed_bytes = 0, 0, 0
@@ -322,6 +334,11 @@ def parse_args(argv):
             )
             s.add_argument("--eval-text", help="also push this text, for run --eval-text")
             s.add_argument("--kld-base", help="also push this kld-base file (composite.eval --kld-base-out)")
+            s.add_argument(
+                "--allow-qnn-mismatch",
+                action="store_true",
+                help="push QNN libraries of another version than the export's (refused by default)",
+            )
         else:
             prompt = s.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt")

@@ -43,7 +43,8 @@ def layers_text(shard: dict) -> str:
 def print_htp(shards: list[dict], estimates: dict | None) -> None:
     """Each QNN shard's bytes on the HTP as lowered (context binaries, its own spill-fill need,
     I/O), against its budget; the shards' sum against one process's HTP address space."""
-    from composite.lowering.htp_limits import HTP_ARCH, MB, PROCESS_MB, HtpBytes, context_limit
+    from composite.config import htp_arch
+    from composite.lowering.htp_limits import MB, PROCESS_MB, HtpBytes, context_limit
 
     total = 0
     for s in shards:
@@ -56,7 +57,7 @@ def print_htp(shards: list[dict], estimates: dict | None) -> None:
         total += measured.total
         before = f"; {estimate.total / MB:.1f} MB estimated before lowering" if estimate else ""
         print(
-            f"HTP: shard {s['index']} ({options['soc']}, {HTP_ARCH[options['soc']]}) holds {measured.describe()} of "
+            f"HTP: shard {s['index']} ({options['soc']}, v{htp_arch(options['soc'])}) holds {measured.describe()} of "
             f"its {context_limit(options) // MB} MB budget{before}"
         )
     if total:

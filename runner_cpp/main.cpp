@@ -53,7 +53,7 @@ struct Options {
   float temperature = 0.f, top_p = 1.f;
   uint64_t seed = 0;
   bool seed_given = false;
-  bool verify = false, verbose = false;
+  bool verify = false, verbose = false, allow_qnn_mismatch = false;
   int threads = 0;  // 0 = the performant cores
   bool context_shift = true;
   int keep = -1, evict = -1;  // -1: the defaults (context_shift.h)
@@ -95,6 +95,8 @@ const Flag kFlags[] = {
     {"--threads", "N", "CPU threads for XNNPACK (default: the performant cores)"},
     {"--stats_json", "FILE", "write the run's stats (timings per shard, tokens, peak RSS) as JSON"},
     {"--verify", nullptr, "check every shard's sha256 before loading"},
+    {"--allow_qnn_mismatch", nullptr,
+     "run QNN shards under libraries of another QNN version than they were compiled with"},
     {"--verbose", nullptr, "also show the QNN libraries' routine log lines and ExecuTorch's info lines"},
     {"--help", nullptr, "this text"},
 };
@@ -175,6 +177,7 @@ Options parse_options(int argc, char** argv) {
         std::exit(0);
       }
       if (name == "--verify") o.verify = true;
+      if (name == "--allow_qnn_mismatch") o.allow_qnn_mismatch = true;
       if (name == "--verbose") o.verbose = true;
       if (name == "--chat") o.chat = true;
       if (name == "--special_as_text") o.special_as_text = true;
@@ -308,13 +311,18 @@ std::vector<std::string> shard_layer_labels(const Manifest& manifest) {
   return labels;
 }
 
-void warn_on_qnn_build_mismatch(const Manifest& manifest) {
+// A context binary compiled by one QNN version is refused, or misbehaves, under another's
+// libraries: say so before loading, naming both (allow: a warning instead).
+void check_qnn_build(const Manifest& manifest, bool allow) {
   const std::string runtime_build_id = qnn_runtime_build_id();
-  if (runtime_build_id != manifest.qnn_build_id) {
-    std::cerr << "warning: the QNN shards were compiled with QNN " << manifest.qnn_build_id
-              << " but this process loads QNN " << runtime_build_id
-              << "; context binaries may be rejected or behave differently\n";
+  if (runtime_build_id == manifest.qnn_build_id) return;
+  const std::string what = "the QNN shards were compiled with QNN " + manifest.qnn_build_id +
+                           " but this process loads QNN " + runtime_build_id;
+  if (!allow) {
+    throw RunnerError(what + ": load the libraries of " + manifest.qnn_build_id +
+                      " or export again with these (--allow_qnn_mismatch tries anyway)");
   }
+  std::cerr << "warning: " << what << "; context binaries may be rejected or behave differently\n";
 }
 
 // Facts of the run that do not depend on the generation, for the stats.
@@ -476,7 +484,7 @@ int run(int argc, char** argv) {
     prompt = prompt_tokens(o, manifest, tokenizer.get());
     check_limits(prompt.size(), limits, shifting);
   }
-  if (has_qnn) warn_on_qnn_build_mismatch(manifest);
+  if (has_qnn) check_qnn_build(manifest, o.allow_qnn_mismatch);
   RunInfo info;
   info.threads = configure_cpu_backend(o.threads);
   ShardChain chain(manifest);

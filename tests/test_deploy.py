@@ -227,3 +227,41 @@ def test_push_names_a_runner_library_it_cannot_find_and_pushes_nothing(default_e
     )
     assert "libcomposite_helper.so" in line and "--library-path" in line
     assert not root.exists()
+
+
+def test_qnn_libraries_of_another_version_are_refused_by_push_and_by_the_runner(qnn_fp16_export, tmp_path):
+    """An export compiled with QNN v2.37 meets this host's libraries (and a phone SDK's, read from
+    the library's bytes): deploy push and composite_runner each refuse in one line naming both."""
+    if not runner_built():
+        pytest.skip("composite_runner is not built (bash scripts/build_runner.sh build)")
+    older = "v2.37.0.250724175447"
+    folder = tmp_path / "older"
+    folder.mkdir()
+    for item in qnn_fp16_export.iterdir():
+        (folder / item.name).symlink_to(item)
+    manifest = json.loads((qnn_fp16_export / "manifest.json").read_text())
+    ours = manifest["qnn"]["build_id"]
+    manifest["qnn"]["build_id"] = older
+    (folder / "manifest.json").unlink()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    local = ["--transport", "local", "--local-root", str(tmp_path / "device")]
+    line = one_error_line(deploy("push", "--artifacts", str(folder), *local))
+    assert older in line and ours in line and "--allow-qnn-mismatch" in line
+    assert not (tmp_path / "device").exists()  # nothing pushed
+    assert deploy("push", "--artifacts", str(folder), *local, "--allow-qnn-mismatch").returncode == 0
+
+    command = [str(RUNNER), "--artifacts", str(folder), "--prompt", "hi", "--max_new_tokens", "2"]
+    line = one_error_line(subprocess.run(command, capture_output=True, text=True))
+    assert older in line and ours in line and "--allow_qnn_mismatch" in line
+    allowed = subprocess.run([*command, "--allow_qnn_mismatch"], capture_output=True, text=True)
+    assert allowed.returncode == 0 and "warning: the QNN shards were compiled with QNN " + older in allowed.stderr
+
+    # A phone's SDK: its libQnnHtp.so says which QNN it is in its bytes.
+    sdk = tmp_path / "sdk"
+    for path in ("lib/aarch64-android/libQnnHtp.so", "lib/aarch64-android/libQnnSystem.so",
+                 "lib/aarch64-android/libQnnHtpV75Stub.so", "lib/hexagon-v75/unsigned/libQnnHtpV75Skel.so"):  # fmt: skip
+        (sdk / path).parent.mkdir(parents=True, exist_ok=True)
+        (sdk / path).write_bytes(b"\x7fELF ... QNN " + ours.encode() + b" ...")
+    phone = {**fake_adb(tmp_path / "bin", ["R5CT123"]), "QNN_SDK_ROOT": str(sdk)}
+    line = one_error_line(deploy("push", "--artifacts", str(folder), "--runner", str(RUNNER), env=phone))
+    assert older in line and ours in line

@@ -31,6 +31,7 @@ from composite.manifest import DECODE, PREFILL
 from composite.model.default import corpus_text
 from composite.model.llama import cache_shapes
 from composite.runtime.kv_cache import AttentionMask, KVCache
+from composite.runtime.shard_call import call_inputs, last_row, padded_tokens, write_new_entries
 
 DEFAULT_SAMPLES = 16
 # decode calls cover at most this many prefill calls' tokens, unless decode_samples says: a
@@ -167,9 +168,9 @@ def calibration_calls(
 
 
 class ShardReplay:
-    """A float shard called as the runners call it (runtime/chain.py's Chain, one shard of it):
-    the same padded tokens or hidden state, positions, mask, its own layers' KV cache (cleared
-    where a sequence starts, new entries written after each call) and logits row."""
+    """A float shard called as the runners call it (runtime/shard_call.py, as runtime/chain.py
+    calls each shard): the same padded tokens or hidden state, positions, mask, its own layers' KV
+    cache (cleared where a sequence starts, new entries written after each call) and logits row."""
 
     def __init__(self, module, methods: dict[str, int], max_seq_len: int):
         self.module, self.methods, self.spec = module, dict(methods), module.spec
@@ -179,30 +180,20 @@ class ShardReplay:
     def inputs(self, call: Call, x) -> list:
         """The shard's inputs for `call`; x: the previous shard's output (None for the embedding)."""
         width = self.methods[call.method]
-        count = len(call.tokens)
         if self.spec.has_embedding:
-            x = torch.tensor([list(call.tokens) + [0] * (width - count)], dtype=torch.int64)
-        inputs = [x]
-        if len(self.spec.layers):
-            if call.starts_sequence:
-                self.cache.reset()
-            inputs += [
-                torch.arange(call.pos, call.pos + width, dtype=torch.int64),
-                self.masks[call.method].at(call.pos),
-            ]
-            for i in range(len(self.spec.layers)):
-                inputs += [self.cache.k[i], self.cache.v[i]]
-        if self.spec.has_head and width > 1:
-            inputs.append(torch.tensor([count - 1], dtype=torch.int64))
-        return inputs
+            x = padded_tokens(call.tokens, width)
+        if call.starts_sequence:
+            self.cache.reset()
+        caches = list(zip(self.cache.k, self.cache.v))
+        row = last_row(len(call.tokens)) if self.spec.has_head and width > 1 else None
+        return call_inputs(x, call.pos, width, self.masks[call.method].at(call.pos), caches, row)
 
     def run(self, call: Call, inputs: list, graph=None) -> list:
         """The shard (or `graph`, a form of it with the same inputs and outputs) called on
         `inputs`; its new cache entries are written."""
         with torch.no_grad():
             outputs = list((graph or self.module)(*inputs))
-        for i in range(len(self.spec.layers)):
-            self.cache.write(i, outputs[1 + 2 * i], outputs[2 + 2 * i], call.pos, len(call.tokens))
+        write_new_entries(self.cache, range(len(self.spec.layers)), outputs, call.pos, len(call.tokens))
         return outputs
 
 

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from composite.config import QNN_SOC_ARCH
 from composite.errors import UserError
 from composite.model.llama import cache_shapes
 
 MB = 1 << 20
 PROCESS_MB = 3584
 CONTEXT_MB = 1024
-HTP_ARCH = {soc: f"v{arch}" for soc, arch in QNN_SOC_ARCH.items()}
 # bytes per weight; 16a4w_block adds a byte per block (QNN stores each block's 4-bit scale in 8 bits)
 WEIGHT_BYTES = {"fp16": 2.0, "16a16w": 2.0, "16a8w": 1.0, "8a8w": 1.0, "16a4w": 0.5, "16a4w_block": 0.5}
 ACTIVATION_BYTES = {"fp16": 2, "16a16w": 2, "16a8w": 2, "8a8w": 1, "16a4w": 2, "16a4w_block": 2}

@@ -130,6 +130,13 @@ print("build-id", build_id.value.decode())
 """
 
 
+def build_id_in_file(library: Path) -> str | None:
+    """The QNN build id ("v2.51.0.260929181845") a libQnnHtp.so of any architecture carries in its
+    bytes (read, not loaded: an Android library cannot run here), or None unless exactly one."""
+    found = set(re.findall(rb"v\d+\.\d+\.\d+\.\d{6,}", library.read_bytes()))
+    return found.pop().decode() if len(found) == 1 else None
+
+
 def cache_dir() -> Path:
     base = os.environ.get("COMPOSITE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "composite"

@@ -16,6 +16,7 @@ from composite.errors import UserError
 from composite.model.llama import cache_shapes
 from composite.runtime.encoding import Encoding, convert
 from composite.runtime.kv_cache import AttentionMask, KVCache
+from composite.runtime.shard_call import call_inputs, last_row, padded_tokens, write_new_entries
 
 # method name -> callable(list of input tensors) -> list of output tensors, one dict per shard
 ShardRunners = dict[str, Callable[[list], list]]
@@ -42,9 +43,8 @@ class Chain:
         self.masks = {name: AttentionMask(n, max_seq_len, mask_hidden) for name, n in self.methods.items()}
         self.shard_seconds = [0.0] * len(shards)
         self.kv_write_seconds = 0.0
-        # Called with (shard index, method, inputs) before each shard runs; calibration records
-        # the inputs quantized shards really receive this way. The output observer gets each
-        # shard's outputs likewise (composite.eval --per-shard).
+        # Called with (shard index, method, inputs) before each shard runs, and with its outputs
+        # after (composite.eval --per-shard compares each shard with the float shard this way).
         self.input_observer: Callable[[int, str, list], None] | None = None
         self.output_observer: Callable[[int, str, list], None] | None = None
 
@@ -56,23 +56,17 @@ class Chain:
             raise ValueError(f"{method} takes 1..{width} tokens, got {count}")
         if pos + count > self.max_seq_len:
             raise UserError(f"position {pos + count} is beyond max_seq_len {self.max_seq_len}")
-        padded = torch.tensor([tokens + [0] * (width - count)], dtype=torch.int64)
-        positions = torch.arange(pos, pos + width, dtype=torch.int64)
         mask = self.masks[method].at(pos)
-        x, encoding = padded, None
+        x, encoding = padded_tokens(tokens, width), None
         for shard, runners in zip(self.shards, self.runners):
-            first, end = shard["layers"]
+            layers = range(*shard["layers"])
             started = time.perf_counter()  # a hidden-state conversion counts as the shard's time
             wanted, produced = self.hidden_encodings[shard["index"]][method]
             if not shard["has_embedding"]:
                 x = convert(x, encoding, wanted)  # only where a quantized shard meets a float one
-            inputs = [x]
-            if end > first:
-                inputs += [positions, mask]
-                for layer in range(first, end):
-                    inputs += [self.cache.k[layer], self.cache.v[layer]]
-            if shard["has_head"] and width > 1:
-                inputs.append(torch.tensor([count - 1], dtype=torch.int64))
+            caches = [(self.cache.k[layer], self.cache.v[layer]) for layer in layers]
+            row = last_row(count) if shard["has_head"] and width > 1 else None
+            inputs = call_inputs(x, pos, width, mask, caches, row)
             if self.input_observer is not None:
                 self.input_observer(shard["index"], method, inputs)
             outputs = runners[method](inputs)
@@ -81,8 +75,7 @@ class Chain:
                 self.output_observer(shard["index"], method, outputs)
             x, encoding = outputs[0], produced
             started = time.perf_counter()
-            for i, layer in enumerate(range(first, end)):
-                self.cache.write(layer, outputs[1 + 2 * i], outputs[2 + 2 * i], pos, count)
+            write_new_entries(self.cache, layers, outputs, pos, count)
             self.kv_write_seconds += time.perf_counter() - started
         return x[0, -1]  # the head's logits are float32 (the manifest readers check it)
 

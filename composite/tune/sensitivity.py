@@ -43,6 +43,7 @@ from composite.lowering.xnnpack import quantize_linears
 from composite.manifest import DECODE, MASK_HIDDEN, PREFILL, method_widths
 from composite.model.llama import cache_shapes, rope_cos_sin
 from composite.runtime.kv_cache import AttentionMask, KVCache
+from composite.runtime.shard_call import call_inputs, write_new_entries
 from composite.split.plan import plan_shards
 from composite.split.shard import ShardModule, shard_io
 from composite.tune.candidates import Candidate, Group
@@ -201,16 +202,10 @@ class CallByCall:
                 count = min(self.width, h.shape[1] - pos)
                 x = torch.zeros((1, self.width, h.shape[2]), dtype=self.dtype)
                 x[:, :count] = h[:, pos : pos + count]
-                inputs = [x]
-                if self.n_layers:
-                    inputs += [torch.arange(pos, pos + self.width), mask.at(pos).to(self.dtype)]
-                    for layer in range(self.n_layers):
-                        inputs += [cache.k[layer].to(self.dtype), cache.v[layer].to(self.dtype)]
-                else:
-                    inputs.append(torch.arange(self.width))
-                out = self.graph(*inputs)
-                for layer in range(self.n_layers):
-                    cache.write(layer, out[1 + 2 * layer].float(), out[2 + 2 * layer].float(), pos, count)
+                caches = [(k.to(self.dtype), v.to(self.dtype)) for k, v in zip(cache.k, cache.v)]
+                rows = None if self.n_layers else torch.arange(self.width)  # every row's logits
+                out = self.graph(*call_inputs(x, pos, self.width, mask.at(pos).to(self.dtype), caches, rows))
+                write_new_entries(cache, range(self.n_layers), [out[0], *(t.float() for t in out[1:])], pos, count)
                 outputs.append(out[0][:, :count].float())
         return torch.cat(outputs, dim=1)
 
