@@ -34,7 +34,7 @@ from composite.executor.fork import ForkedCall
 from composite.executor.local import LocalExecutor, default_workers
 from composite.executor.ray_cluster import from_ray_flag
 from composite.export_report import JobProgress, JobRuns, print_summary, write_summary
-from composite.lowering import embedding
+from composite.lowering import embedding, shared_table
 from composite.lowering.htp_limits import check_placement, layer_capacity
 from composite.lowering.jobs import lowering_jobs, shard_file, shard_works
 from composite.lowering.task import ShardLowered, lower_task, merge_data_files, write_files
@@ -155,6 +155,8 @@ def lower_all(
     its text too."""
     watch = watch or Stopwatch()
     works = shard_works(loaded, specs, placements, config, tokenizer, bos)
+    if note := shared_table.unshared_table_note(loaded.args, config, placements):
+        print(note, file=sys.stderr)
     with watch.stage("cache keys"):
         keys = shard_cache.export_keys(works) if cache else {}
     entries = shard_cache.hits(cache, keys, folder, {spec.index: shard_file(spec) for spec in specs})
@@ -310,7 +312,7 @@ def plan(args, config: ExportConfig, placements: list[Placement]) -> list[ShardS
 
 def terminated(signum: int, cached: bool) -> None:
     """Clean up here and leave at once. An exception raised from a signal handler can land where
-    Python ignores it (a fork hook, a finalizer: seen in CI), and the export would carry on."""
+    Python ignores it (a fork hook, a finalizer), and the export would carry on."""
     ForkedCall.kill_all()
     staging.remove_unfinished()
     kept = "; the shards lowered so far are in the shard cache: the same command resumes" if cached else ""

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from composite import manifest as manifest_schema
+from composite.config import build_config
 from composite.deploy import plan_files
 from composite.errors import UserError
-from composite.lowering.shared_table import DATA_FILE, quantized_as_head
+from composite.lowering.shared_table import DATA_FILE, quantized_as_head, unshared_table_note
 from composite.model.checkpoint import load_checkpoint
+from composite.model.default import DEFAULT_ARGS
 from composite.runtime.chain import ShardChain
 from composite.runtime.generate import generate
 from composite.runtime.sampler import Sampler
@@ -131,3 +133,21 @@ def test_an_export_missing_its_data_file_is_refused_in_one_line(shared_exports, 
         assert sum(local.name == DATA_FILE for local, _ in files) == 1
         with pytest.raises(UserError, match=f"{DATA_FILE} is missing: the export is incomplete"):
             plan_files(broken, manifest_schema.read(broken), RUNNER, "local", "/d", [])
+
+
+def test_a_quantized_tied_export_that_keeps_two_tables_says_what_the_flag_saves(small_checkpoint):
+    args = load_checkpoint(str(small_checkpoint), None).args
+    for lookup, note_expected in (("none", True), ("8,0", False), ("4,32", False)):
+        config = build_config(None, {"shards": 2, "xnnpack": XNNPACK_8DA4W, "embedding_quantize": lookup})
+        note = unshared_table_note(args, config, config.placements())
+        assert (note is not None) == note_expected, (lookup, note)
+    table_mb = args.vocab_size * args.dim * 4 / 1e6
+    assert "--embedding-quantize 8,0" in note_of(args) and f"{table_mb:.0f} MB less" in note_of(args)
+    assert note_of(DEFAULT_ARGS) is None  # untied
+    fp32 = build_config(None, {"shards": 2})
+    assert unshared_table_note(args, fp32, fp32.placements()) is None  # a float head: nothing to share
+
+
+def note_of(args):
+    config = build_config(None, {"shards": 2, "xnnpack": XNNPACK_8DA4W})
+    return unshared_table_note(args, config, config.placements())

@@ -45,9 +45,8 @@ class RopeTable(nn.Module):
 
 
 # The lowest mask value a quantized graph sees: ExecuTorch's Qualcomm llama uses the same. A
-# trained model's attention scores span tens (SmolLM2-135M: beyond +-50), so a masked score must
-# sit far below the lowest visible one; a floor of -32 let masked slots win in some of SmolLM2's
-# heads ("L'Étoile, la Cité" for "Paris").
+# trained model's attention scores span tens, so a masked score must sit far below the lowest
+# visible one, or masked slots win in some heads (docs/placement.md).
 QUANTIZED_MASK_FLOOR = -255.0
 
 

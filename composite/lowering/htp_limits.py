@@ -1,19 +1,13 @@
 """What a QNN shard holds on the Hexagon NPU, and the limits it has to fit.
 
-The limits (as far as Qualcomm's and ExecuTorch's public material says; no QNN document at hand
-states them as numbers):
-- One process's QNN contexts share the HTP's 32-bit virtual address space (4 GiB on v69 ... v79;
-  a 2026 analysis of v81, SM8850, found QuRT still declares 32-bit addresses and an extended
-  mapping not used by QNN's context loading): every context's weights, the spill-fill buffer and
-  the I/O buffers mapped to the NPU come out of it. Qualcomm splits Llama 2 7B into 8 context
-  binaries for "the address space limitation of the Hexagon" (qualcomm/ai-hub-models issue 100,
-  2024-09-20); ONNX Runtime's QNN execution provider splits a model "because of QNN PD memory
-  limitation, large model (>3.5GB)" (microsoft/onnxruntime PR 20930). PROCESS_MB is that 3.5 GB:
-  what all QNN shards of an export may take together.
-- One context: ExecuTorch's Qualcomm llama cuts models into `num_sharding` contexts (Llama 3.2 3B:
-  3, Phi-4-mini: 8; examples/qualcomm/oss_scripts/llama/__init__.py), and Qualcomm's published
-  LLM parts each hold well under 1 GB (Llama 2 7B: 8 parts of ~0.45 GB; Llama 3.2 3B: 3 parts).
-  CONTEXT_MB, the default of `qnn.max_context_mb`, is 1024 MB: inside what both ship.
+The limits (Qualcomm's and ExecuTorch's public material, cited in docs/placement.md, "The HTP's
+memory limits"; no QNN document states them as numbers):
+- One process's QNN contexts share the HTP's 32-bit virtual address space: every context's
+  weights, the spill-fill buffer and the I/O buffers mapped to the NPU come out of it. PROCESS_MB
+  is the 3.5 GB ONNX Runtime's QNN provider splits models at: what all QNN shards of an export may
+  take together.
+- One context: CONTEXT_MB, the default of `qnn.max_context_mb`, is 1024 MB, above the context
+  binaries Qualcomm and ExecuTorch ship for their LLMs.
 
 Sizes are estimated from the shapes before anything is lowered (weights at the precision's bytes
 per weight, the I/O tensors at its activation width) and measured after (the context binaries'

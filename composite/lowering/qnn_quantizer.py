@@ -7,10 +7,7 @@ they name, e.g. {"output": "16a8w", "layers.*.feed_forward.w2": "16a8w"}. The on
 16-bit weights in shards of 16-bit activations, whatever the precision: its weights are a rotation,
 not the model's, and the HTP computes 4-bit weights of such a matmul (a FullyConnected, not a 1x1
 convolution) otherwise than the quantized graph does, though the Hadamard factors sit exactly on
-the 4-bit grid (SmolLM2 layers 11-12 at 16a4w_block, decode on the simulator against the converted
-graph: 17.5 dB per token with 4-bit rotation weights, 38 dB with 16-bit ones; docs/quality.md).
-Where a precision is
-16a4w_block, every 1x1 convolution (a linear in the HTP form) whose input channels divide into
+the 4-bit grid (docs/quality.md). Where a precision is 16a4w_block, every 1x1 convolution (a linear in the HTP form) whose input channels divide into
 blocks of `block_size` gets 4-bit weights in such blocks (LPBQ, lpbq.py); one whose input channels
 do not keeps 16a4w's per-channel 4-bit weights.
 """

@@ -16,12 +16,14 @@ bytes once (as it does within one program, where one shard holds both), and ever
 reads it names it in the manifest (`data`). Both runners load each such shard with that file as
 its data map.
 
-Not shared (each shard keeps its own copy, as before): untied checkpoints, a lookup or head in
+Not shared (each shard keeps its own copy): untied checkpoints, a lookup or head in
 another format (4-bit, float, an fp16 or QNN head), and a rotated
 residual stream (the head then carries the final norm's scale, so it is no longer the table).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -44,6 +46,20 @@ def head_mapping(args, config, placements) -> str | None:
         return None
     scheme = options["quantize"] if options["head_quantize"] == "same" else options["head_quantize"]
     return options["weight_mapping"] if scheme == "8da8w" else None
+
+
+def unshared_table_note(args, config, placements) -> str | None:
+    """What the user would save, in one line, where a tied model's export keeps a float32 lookup
+    table beside the head's 8-bit one though embedding_quantize 8,0 would store the table once."""
+    if not args.tie_embeddings or config.embedding_bits_and_group() is not None:
+        return None
+    if head_mapping(args, dataclasses.replace(config, embedding_quantize="8,0"), placements) is None:
+        return None
+    table_mb = args.vocab_size * args.dim * 4 / 1e6
+    return (
+        f"note: this tied model's lookup keeps its own {table_mb:.0f} MB float32 table beside the head's 8-bit "
+        f"one; --embedding-quantize 8,0 stores the table once, in 8 bits ({table_mb:.0f} MB less)"
+    )
 
 
 def quantized_as_head(table: torch.Tensor, mapping: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,7 +183,7 @@ def round_weights(graphs: dict, moments: dict[frozenset, InputMoments]) -> int:
     """Each block-wise 4-bit weight of `graphs` (method -> calibrated prepared graph) replaced by
     its GPTQ rounding on the grid its observer chose, once per weight tensor, with the inputs of
     every method that reads it. -> how many weights were rounded. (16a4w's per-channel weights keep
-    nearest rounding: with GPTQ their KL divergence on SmolLM2 grew, docs/quality.md.)"""
+    nearest rounding: GPTQ raised their KL divergence, docs/quality.md.)"""
     from composite.lowering.lpbq import LpbqObserver
 
     readers: dict[int, list] = {}  # a weight tensor -> (graph, parameter, input moments, weight observer) of each use
