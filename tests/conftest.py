@@ -275,6 +275,21 @@ def runner_built(path: Path = RUNNER) -> bool:
     return False
 
 
+# A long real text Debian's base-files ships (composite.tune's and context shift's tests read it).
+DEBIAN_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+@pytest.fixture
+def needs_debian_text() -> Path:
+    """DEBIAN_TEXT, or a skip where it is missing; under the test command (COMPOSITE_REQUIRE_RUNNER=1,
+    as CI runs it) a missing text fails the test instead: its checks must not quietly go."""
+    if DEBIAN_TEXT.is_file():
+        return DEBIAN_TEXT
+    if os.environ.get("COMPOSITE_REQUIRE_RUNNER") == "1":
+        pytest.fail(f"{DEBIAN_TEXT} (Debian's base-files) is missing, and the test command requires it")
+    pytest.skip(f"{DEBIAN_TEXT} (Debian's base-files) is not on this machine")
+
+
 @pytest.fixture
 def needs_runner():
     """Skips a test when composite_runner is not built (fails it, where runner_built requires it)."""

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MAX_SEQ_LEN, PREFILL_LEN, REPO, assert_clean_failure, qnn_fp16_cli, run_cli
+from conftest import DEBIAN_TEXT, MAX_SEQ_LEN, PREFILL_LEN, REPO, assert_clean_failure, qnn_fp16_cli, run_cli
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 NODE = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats"]
-TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files
+TEXT = DEBIAN_TEXT
 
 
 def cluster_env() -> dict:
@@ -120,7 +120,7 @@ def test_a_worker_killed_mid_job_is_retried_to_the_same_bytes(default_exports, c
     assert pte_bytes(output) == pte_bytes(default_exports[3])
 
 
-@pytest.mark.skipif(not TEXT.is_file(), reason=f"{TEXT} (Debian's base-files) is not on this machine")
+@pytest.mark.usefixtures("needs_debian_text")
 def test_tune_on_the_cluster_writes_the_local_yaml(cluster, tmp_path):
     args = ["--text", str(TEXT), "--budget-mb", "1.6", "--ctx", "64", "--limit-tokens", "128", "--max-seq-len", "64"]
     args += ["--prefill-len", "16", "--shards", "4", "--candidates", "xnnpack:fp32,xnnpack:8da4w"]

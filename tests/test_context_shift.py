@@ -18,9 +18,9 @@ from composite.runtime.chain import ShardChain
 from composite.runtime.context_shift import ContextShift, rotation_by
 from composite.runtime.encoding import Encoding
 from composite.runtime.kv_cache import KVCache
-from conftest import MAX_SEQ_LEN, RUNNER, one_error_line, run_cli
+from conftest import DEBIAN_TEXT, MAX_SEQ_LEN, RUNNER, one_error_line, run_cli
 
-TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files ships it
+TEXT = DEBIAN_TEXT
 LLAMA3_ARGS = ModelArgs(
     dim=64,
     n_layers=1,
@@ -127,7 +127,7 @@ def test_both_runners_generate_alike_across_shifts(default_exports, tmp_path, fl
     assert walled["stop_reason"] == "max_seq_len" and walled["tokens"] == cpp["tokens"][: len(walled["tokens"])]
 
 
-@pytest.mark.usefixtures("needs_runner")
+@pytest.mark.usefixtures("needs_runner", "needs_debian_text")
 def test_a_streamed_text_scores_alike_in_both_runners_beside_the_float_model(default_exports, tmp_path):
     folder = default_exports[3]
     args = ["--limit-tokens", str(3 * MAX_SEQ_LEN), "--stream", "--json"]

@@ -17,13 +17,13 @@ from composite.eval.metrics import Reference
 from composite.eval.scoring import chunks, eval_tokens
 from composite.model.default import corpus_text, default_model
 from composite.tokenizer import Tokenizer, train_sentencepiece
-from conftest import MAX_SEQ_LEN, RUNNER, one_error_line, run_cli
+from conftest import DEBIAN_TEXT, MAX_SEQ_LEN, RUNNER, one_error_line, run_cli
 
 # Real text from a Debian package: base-files ships the GNU GPL's text.
-TEXT = Path("/usr/share/common-licenses/GPL-3")
+TEXT = DEBIAN_TEXT
 CTX, LIMIT = 64, 400
 
-pytestmark = pytest.mark.skipif(not TEXT.is_file(), reason=f"{TEXT} (Debian's base-files) is not on this machine")
+pytestmark = pytest.mark.usefixtures("needs_debian_text")
 
 
 def python_eval(export: Path, *flags: str) -> dict:

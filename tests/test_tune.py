@@ -19,14 +19,14 @@ import yaml
 from composite.config import build_config
 from composite.memory import descendants
 from composite.tune.search import Option, best_within, frontier
-from conftest import REPO, assert_clean_failure, run_cli
+from conftest import DEBIAN_TEXT, REPO, assert_clean_failure, run_cli
 
 # Real text from a Debian package: base-files ships the GNU GPL's text.
-TEXT = Path("/usr/share/common-licenses/GPL-3")
+TEXT = DEBIAN_TEXT
 SMALL = ["--ctx", "64", "--limit-tokens", "256", "--max-seq-len", "64", "--prefill-len", "16", "--shards", "4"]
 MIXED = ["--candidates", "qnn:16a4w_block,xnnpack:fp32,xnnpack:8da4w", "--embedding", "none|4,32"]
 
-pytestmark = pytest.mark.skipif(not TEXT.is_file(), reason=f"{TEXT} (Debian's base-files) is not on this machine")
+pytestmark = pytest.mark.usefixtures("needs_debian_text")
 
 
 def tune(folder: Path, budget_mb: float, *flags: str) -> dict:

@@ -9,9 +9,9 @@ import inspect
 import pytest
 
 from composite.lowering import upstream_patches
-from composite.lowering.upstream_patches import TARGETS, Target
+from composite.lowering.upstream_patches import RELIED_ON, TARGETS, Target
 
-CASES = [(patch, target) for patch, targets in TARGETS.items() for target in targets]
+CASES = [(patch, target) for patch, targets in {**TARGETS, **RELIED_ON}.items() for target in targets]
 
 
 @pytest.mark.parametrize(("patch", "target"), CASES, ids=[f"{p}:{t.name}" for p, t in CASES])

@@ -78,6 +78,36 @@ TARGETS: dict[str, list[Target]] = {
     "provenance_shared": [Target("torch 2.13.0", "torch.fx.traceback", "NodeSource", "0e29c3d55d6345c3")],
 }
 
+# Upstream code composite relies on without patching it: where -> what it reads. The same tripwire
+# (tests/test_upstream_patches.py): a change means reading the new code before trusting ours.
+RELIED_ON: dict[str, list[Target]] = {
+    # LPBQ scales put on the grid QNN's builder rounds them to, through ExecuTorch's per-block
+    # config, observer and builder.
+    "lowering/lpbq.py, lowering/qnn_quantizer.py:on_lpbq_grid": [
+        Target(
+            "executorch 1.5.1",
+            "executorch.backends.qualcomm.builders.node_visitor",
+            "NodeVisitor.make_qnn_per_block_config",
+            "1fb4e29452a28542",
+        ),
+        Target(
+            "executorch 1.5.1",
+            "executorch.backends.qualcomm.quantizer.qconfig",
+            "get_ptq_per_block_quant_config",
+            "08e7a0bc33901aec",
+        ),
+        Target(
+            "executorch 1.5.1",
+            "executorch.backends.qualcomm.quantizer.observers.per_block_param_observer",
+            "PerBlockParamObserver",
+            "ca5bcf78f7ec020b",
+        ),
+        Target(
+            "executorch 1.5.1", "executorch.backends.qualcomm.quantizer.quantizer", "ModuleQConfig", "e211cd3fe3995ac2"
+        ),
+    ],
+}
+
 
 @contextlib.contextmanager
 def linear_time_observers():
