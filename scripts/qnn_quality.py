@@ -140,10 +140,22 @@ def measure_ours(args, rows: dict[str, tuple], loaded, tokenizer, bos) -> dict[s
         if key not in built:
             model = loaded.part(True, range(args_.n_layers), True).eval()
             rotate(model, rotation)
-            built = {key: Sensitivity(
-                model, groups, tokenizer, bos, text, args.ctx, args.limit_tokens, "second-half",
-                args.ctx, 32, 32, "SM8650", qnn,
-            )}  # fmt: skip
+            sens = Sensitivity(
+                model=model,
+                groups=groups,
+                tokenizer=tokenizer,
+                bos_id=bos,
+                text=text,
+                ctx=args.ctx,
+                limit_tokens=args.limit_tokens,
+                score="second-half",
+                max_seq_len=args.ctx,
+                prefill_len=32,
+                group_size=32,
+                soc="SM8650",
+                qnn_options=qnn,
+            )
+            built = {key: sens}
         sens = built[key]
         recipe, stored, layers = {}, 0, 0
         for (first, end), choice in ranges.items():

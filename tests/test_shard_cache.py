@@ -263,9 +263,15 @@ def test_each_field_of_a_shards_work_changes_its_key():
         "calls": work.calls[:-1],
         "shared_table": "symmetric",
         "stream": TensorWeights(changed_table),  # the float model before the shard decides it
+        "next_stream": TensorWeights(changed_layer),  # ...and through it
     }
+    # Every field is changed here, by construction: a new field fails this test until it is.
+    from composite.lowering.work import NOT_IN_KEY, ShardWork
+
+    assert set(others) == {f.name for f in dataclasses.fields(ShardWork)} - set(NOT_IN_KEY)
     base = export_keys([work])[1]
     for field, value in others.items():
-        changed = dataclasses.replace(work, **({"weights": value} if field == "stream" else {field: value}))
+        streams = field in ("stream", "next_stream")  # not fields one sets: the weights decide them
+        changed = dataclasses.replace(work, **({"weights": value} if streams else {field: value}))
         assert export_keys([changed])[1] != base, field
     assert export_keys([dataclasses.replace(work, output="elsewhere.pte")])[1] == base

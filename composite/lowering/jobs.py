@@ -82,16 +82,16 @@ def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[Sh
             calls = calls_by_settings[settings]
         works.append(
             ShardWork(
-                spec,
-                placement,
-                loaded.args,
-                loaded.weights,
-                config.rotation(),
-                config.max_seq_len,
-                config.prefill_len,
-                config.embedding_bits_and_group() if spec.has_embedding else None,
-                specs[-1].index,
-                calls,
+                spec=spec,
+                placement=placement,
+                args=loaded.args,
+                weights=loaded.weights,
+                rotation=config.rotation(),
+                max_seq_len=config.max_seq_len,
+                prefill_len=config.prefill_len,
+                embedding_quantize=config.embedding_bits_and_group() if spec.has_embedding else None,
+                head_shard=specs[-1].index,
+                calls=calls,
                 shared_table=shared if spec.has_embedding or spec.has_head else None,
             )
         )

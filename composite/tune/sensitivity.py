@@ -215,6 +215,7 @@ class Sensitivity:
 
     def __init__(
         self,
+        *,
         model,
         groups: list[Group],
         tokenizer,

@@ -193,9 +193,20 @@ def rotated(args, inputs: Inputs, rotation: str) -> Rotated:
     groups, ctx = inputs.groups, args.ctx or args.max_seq_len
     cache = ResultCache(cache_folder(args), measurement_settings(args, inputs, model, rotation))
     sens = Sensitivity(
-        model, groups, inputs.tokenizer, inputs.bos, inputs.text, ctx, args.limit_tokens, args.score,
-        args.max_seq_len, args.prefill_len, args.group_size, args.soc, {"block_size": args.qnn_block_size},
-    )  # fmt: skip
+        model=model,
+        groups=groups,
+        tokenizer=inputs.tokenizer,
+        bos_id=inputs.bos,
+        text=inputs.text,
+        ctx=ctx,
+        limit_tokens=args.limit_tokens,
+        score=args.score,
+        max_seq_len=args.max_seq_len,
+        prefill_len=args.prefill_len,
+        group_size=args.group_size,
+        soc=args.soc,
+        qnn_options={"block_size": args.qnn_block_size},
+    )
     return Rotated(rotation, sens, cache)
 
 
