@@ -119,8 +119,9 @@ def _is_pointwise(graph: torch.fx.GraphModule, conv: torch.fx.Node) -> bool:
 
 
 def faster_fake_quant(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The converted (fake-quantized) graph with the same arithmetic, to the bit, in fewer and
-    faster ops, for the tuner's many calls of it:
+    """The converted (fake-quantized) graph with the same arithmetic in fewer and faster ops, for
+    the tuner's many calls of it; to the bit but for the 1x1 convolutions' summation order, which
+    now and then puts a value on the other side of a rounding step (docs/tune.md):
     - every quantize_per_tensor and its dequantize_per_tensor nodes (one per consumer) as one
       fake_quant (above);
     - a fake_quant of values already on its grid (its input a reshape, slice, cat, ... of values
