@@ -22,7 +22,7 @@ YAML keys (all optional):
   qnn: {soc, precision, ...}      defaults for QNN shards (weight_sharing: true by default; the
                                   x86 simulator needs false, as --no-weight-sharing sets;
                                   max_context_mb: a QNN shard's HTP budget, default 1024:
-                                  lowering/htp_limits.py; precision 16a4w_block: 4-bit weights
+                                  split/htp_limits.py; precision 16a4w_block: 4-bit weights
                                   in blocks of block_size input channels, 16, 32 (default) or
                                   64, rounded as rounding says, gptq (default) or nearest)
   embedding_quantize              "none" (default), "8,0" (8-bit, a scale per row) or "4,32"
@@ -48,12 +48,12 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import yaml
 
 from composite.errors import UserError
+from composite.qnn_soc import htp_arch, precision_runs_on
 
 BACKENDS = ("xnnpack", "portable", "qnn")
 XNNPACK_QUANTIZE = ("none", "8da4w", "8da8w")
@@ -62,7 +62,7 @@ XNNPACK_ATTENTION = ("graph", "kernel")
 XNNPACK_HEAD_QUANTIZE = ("8da8w", "same", "none")
 XNNPACK_WEIGHT_MAPPING = ("symmetric_no_clipping_err", "symmetric")
 # The SoCs composite lowers QNN shards for; each one's HTP architecture, and which precisions it
-# runs, are ExecuTorch's own facts (htp_arch, precision_runs_on).
+# runs, are ExecuTorch's own facts (qnn_soc.py).
 QNN_SOCS = ("SM8350", "SM8450", "SM8475", "SM8550", "SM8650", "SM8750", "SM8850")
 QNN_PRECISIONS = ("fp16", "16a4w", "16a4w_block", "16a8w", "8a8w", "16a16w")
 QNN_BLOCK_SIZES = (16, 32, 64)
@@ -130,7 +130,7 @@ DEFAULT_OPTIONS = {
     # block_size: 16a4w_block's input channels per block of 4-bit weights (ExecuTorch's Qualcomm
     # llama and QNN's LPBQ use 32).
     # rounding: how 16a4w_block's weights are rounded onto their grid: gptq (by the layer's
-    # calibration inputs; composite/lowering/weight_rounding.py) or nearest.
+    # calibration inputs; composite/lowering/qnn/weight_rounding.py) or nearest.
     "qnn": {
         "soc": "SM8650",
         "precision": "fp16",
@@ -358,27 +358,6 @@ def _check_qnn_details(options: dict, where: str) -> None:
         value = options.get(key) or []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise UserError(f"{where}: {key} must be a list of names, e.g. [aten.linear.default]")
-
-
-def htp_arch(soc: str) -> int:
-    """`soc`'s HTP architecture (75 for v75), from ExecuTorch's SoC table."""
-    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset, _soc_info_table
-
-    try:
-        return int(_soc_info_table[QcomChipset[soc]].htp_info.htp_arch.value)
-    except KeyError:
-        raise UserError(f"ExecuTorch does not know the HTP architecture of SoC {soc}") from None
-
-
-def precision_runs_on(precision: str) -> Callable[[str], bool] | None:
-    """The check ExecuTorch's QNN quantizer makes of a SoC before it quantizes at `precision`
-    (quantizer/annotators/htp_rules.py: LPBQ for 16a4w_block, 16-bit weights for 16a16w), as a
-    predicate of the SoC's name; None where it makes none."""
-    from executorch.backends.qualcomm.quantizer.annotators import htp_rules
-    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset, _soc_info_table
-
-    rule = {"16a4w_block": htp_rules.validate_lpbq_support, "16a16w": htp_rules.validate_16a16w_support}.get(precision)
-    return None if rule is None else lambda soc: bool(rule(_soc_info_table[QcomChipset[soc]]))
 
 
 def _check_qnn_arch(options: dict, where: str) -> None:

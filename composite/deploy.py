@@ -25,9 +25,9 @@ from pathlib import Path, PurePosixPath
 from composite import manifest as manifest_schema
 from composite import qnn_host
 from composite.bundle import library_closure
-from composite.config import htp_arch
 from composite.errors import UserError, exits_cleanly
 from composite.manifest import sha256_file as file_sha256
+from composite.qnn_soc import htp_arch
 
 PROJECT = Path(__file__).resolve().parent.parent
 

@@ -35,14 +35,14 @@ from composite.executor.local import LocalExecutor, default_workers
 from composite.executor.ray_cluster import from_ray_flag
 from composite.export_report import JobProgress, JobRuns, print_summary, write_summary
 from composite.lowering import embedding, shared_table
-from composite.lowering.htp_limits import check_placement, layer_capacity
 from composite.lowering.jobs import lowering_jobs, shard_file, shard_works
-from composite.lowering.task import ShardLowered, lower_task, merge_data_files, write_files
+from composite.lowering.task import ShardTaskResult, lower_task, merge_data_files, write_files
 from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo, memory_budget
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes, rope_inv_freq
 from composite.model.loaded import LoadedModel
 from composite.shard_cache import ShardCache
+from composite.split.htp_limits import check_placement, layer_capacity
 from composite.split.plan import ShardSpec, auto_layer_counts, plan_shards
 from composite.tokenizer import Tokenizer, generation_stop_ids, prompt_bos_id, tokenizer_for_model
 
@@ -174,7 +174,7 @@ def lower_all(
             runs.float_passes.append({**job_facts, "stages": {"float pass": finished.seconds}})
             return
         progress.finished(finished.job)
-        result: ShardLowered = finished.result
+        result: ShardTaskResult = finished.result
         spec, placement = specs[result.index], placements[result.index]
         path = folder / shard_file(spec)
         write_files(result.shard, path)  # from a job that does not share this disk
@@ -295,7 +295,7 @@ def run_export(
 
 def plan(args, config: ExportConfig, placements: list[Placement]) -> list[ShardSpec]:
     """The shards: layers as config.layers_per_shard says; `auto` fills the QNN shards up to
-    their HTP budget (split/plan.py, lowering/htp_limits.py)."""
+    their HTP budget (split/plan.py, split/htp_limits.py)."""
     if config.layers_per_shard != "auto":
         return plan_shards(args, config.shards, config.layers_per_shard)
     n = config.shards

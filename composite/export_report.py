@@ -43,8 +43,8 @@ def layers_text(shard: dict) -> str:
 def print_htp(shards: list[dict], estimates: dict | None) -> None:
     """Each QNN shard's bytes on the HTP as lowered (context binaries, its own spill-fill need,
     I/O), against its budget; the shards' sum against one process's HTP address space."""
-    from composite.config import htp_arch
-    from composite.lowering.htp_limits import MB, PROCESS_MB, HtpBytes, context_limit
+    from composite.qnn_soc import htp_arch
+    from composite.split.htp_limits import MB, PROCESS_MB, HtpBytes, context_limit
 
     total = 0
     for s in shards:

@@ -45,7 +45,7 @@ def _standard_json(value):
 
 def shard_entry(path: Path, spec, placement, lowered, io: dict, seconds: float) -> dict:
     """The manifest's record of one written shard file. spec: split.plan.ShardSpec; placement:
-    config.Placement; lowered: lowering.program.LoweredShard; io: method -> inputs/outputs."""
+    config.Placement; lowered: lowering.program.LoweredProgram; io: method -> inputs/outputs."""
     entry = {
         "index": spec.index,
         "file": path.name,

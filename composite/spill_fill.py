@@ -2,7 +2,7 @@
 
 Each QNN shard is lowered with the spill-fill size its own contexts need. On a device the HTP
 backend keeps one process-wide buffer, as large as the largest any context asks for, so every QNN
-shard's file is given that size (lowering/qnn_pte.py's with_spill_fill: its compile specs only)
+shard's file is given that size (lowering/qnn/pte.py's with_spill_fill: its compile specs only)
 and its manifest entry the new file's size and sha256.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from composite import manifest as manifest_schema
 from composite import qnn_host
-from composite.lowering.qnn_pte import with_spill_fill
+from composite.lowering.qnn.pte import with_spill_fill
 
 
 def settle(folder: Path, entries: list[dict], job_stages: list[dict]) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
+from composite.lowering.qnn.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
 from composite.manifest import method_widths
 from composite.model.default import default_model
 from composite.runtime.chain import eager_chain

@@ -331,7 +331,7 @@ def tiny_htp_graph(precision: str = "16a4w"):
     """The tiny default's middle shard (of 3) in HTP form, traced for a 4-position prefill, with
     example inputs and the QNN export options of `precision`."""
     from composite.config import DEFAULT_OPTIONS
-    from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
+    from composite.lowering.qnn.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
     from composite.model.default import load_default
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule, shard_io
@@ -359,7 +359,7 @@ def test_linear_time_observers_prepare_the_same_graph(qnn_ready):
 
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    from composite.lowering.qnn_quantizer import quantizer_for
+    from composite.lowering.qnn.quantizer import quantizer_for
     from composite.lowering.upstream_patches import linear_time_observers
 
     graph, example, options = tiny_htp_graph()
@@ -386,7 +386,7 @@ def converted_outputs(precision: str, pointwise_as_matmul: bool = True) -> tuple
 
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from composite.lowering.qnn_quantizer import quantizer_for
+    from composite.lowering.qnn.quantizer import quantizer_for
     from composite.lowering.upstream_patches import linear_time_observers
     from composite.tune import sensitivity
 
@@ -456,7 +456,7 @@ def test_the_tuners_head_on_many_rows_is_the_decode_graph_row_by_row(qnn_ready, 
 
     from composite.config import DEFAULT_OPTIONS
     from composite.lowering.calibration import sqnr_db
-    from composite.lowering.qnn import QnnShardLowering
+    from composite.lowering.qnn.shard import QnnShardLowering
     from composite.manifest import DECODE
     from composite.model.default import load_default
     from composite.split.plan import plan_shards
@@ -505,7 +505,7 @@ def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_i
     from executorch.runtime import Runtime
 
     from composite.config import DEFAULT_OPTIONS
-    from composite.lowering.qnn import QnnShardLowering
+    from composite.lowering.qnn.shard import QnnShardLowering
     from composite.manifest import DECODE, PREFILL
     from composite.model.default import load_default
     from composite.split.plan import plan_shards
@@ -585,8 +585,8 @@ def test_qnn_compiles_with_the_weights_on_disk(qnn_ready, tmp_path):
 
     from composite.config import DEFAULT_OPTIONS
     from composite.executor.fork import ForkedCall
-    from composite.lowering.qnn import compile_spec
-    from composite.lowering.qnn_pte import qnn_backend_modules
+    from composite.lowering.qnn.pte import qnn_backend_modules
+    from composite.lowering.qnn.shard import compile_spec
     from composite.lowering.upstream_patches import lean_preprocess
 
     torch.manual_seed(0)
@@ -635,7 +635,7 @@ def lpbq_shard_against_its_graph(monkeypatch) -> tuple[float, float]:
 
     from composite.config import DEFAULT_OPTIONS
     from composite.lowering.calibration import sqnr_db
-    from composite.lowering.qnn import QnnShardLowering
+    from composite.lowering.qnn.shard import QnnShardLowering
     from composite.manifest import DECODE, PREFILL
     from composite.model.default import load_default
     from composite.split.plan import plan_shards
@@ -669,7 +669,7 @@ def lpbq_shard_against_its_graph(monkeypatch) -> tuple[float, float]:
 
 def test_a_16a4w_block_shard_on_the_simulator_computes_its_quantized_graph(qnn_ready, monkeypatch):
     """LPBQ's block scales are put on the HTP's grid before the weights are rounded with them
-    (composite/lowering/lpbq.py): the simulator then computes what the converted graph in PyTorch
+    (composite/lowering/qnn/lpbq.py): the simulator then computes what the converted graph in PyTorch
     does, within what 16-bit activations round differently in another order of operations (above
     60 dB). With ExecuTorch's own block scales, which its QNN builder rounds to that grid after the
     weights were rounded with them, the simulator computes another function: 32-33 dB measured

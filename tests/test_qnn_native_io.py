@@ -222,12 +222,12 @@ GRAPH_BYTES_PER_METHOD_AND_LAYER = 160_000
 def test_the_htp_estimate_of_a_shards_weights_is_what_its_compiled_contexts_hold(
     precision, quantized_exports, qnn_fp16_export
 ):
-    """The estimate that cuts QNN shards to the HTP's limits (lowering/htp_limits.py), and the bytes
+    """The estimate that cuts QNN shards to the HTP's limits (split/htp_limits.py), and the bytes
     composite.tune counts for the shard's layers (tune/candidates.py), against the bytes of the
     context binaries compiled on the simulator: never more than them, and below them by at most 5%
     and the graphs' own bytes (a context of the host twin holds its weights once per method)."""
-    from composite.lowering.htp_limits import estimate
     from composite.model.llama import ModelArgs
+    from composite.split.htp_limits import estimate
     from composite.split.plan import ShardSpec
     from composite.tune.candidates import Candidate, Group, group_bytes
 

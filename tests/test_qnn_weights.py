@@ -1,13 +1,13 @@
-"""4-bit QNN weights: LPBQ's block scales on the HTP's grid (composite/lowering/lpbq.py) and GPTQ's
-rounding (composite/lowering/weight_rounding.py), on random weights, in PyTorch."""
+"""4-bit QNN weights: LPBQ's block scales on the HTP's grid (composite/lowering/qnn/lpbq.py) and GPTQ's
+rounding (composite/lowering/qnn/weight_rounding.py), on random weights, in PyTorch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from composite.lowering.lpbq import STEPS, lpbq_scales
-from composite.lowering.weight_rounding import gptq
+from composite.lowering.qnn.lpbq import STEPS, lpbq_scales
+from composite.lowering.qnn.weight_rounding import gptq
 
 BLOCK = 32
 

@@ -195,11 +195,11 @@ def test_an_unknown_rotation_is_refused(tmp_path):
 @pytest.mark.parametrize("precision, weight_max", [("16a4w_block", 32767), ("16a8w", 32767), ("8a8w", 127)])
 def test_qnn_keeps_16_bit_weights_for_the_online_rotation_in_16_bit_activation_shards(qnn_ready, precision, weight_max):
     """The feed-forward's online rotation is two matmuls by constant matrices: with 4-bit weights the
-    HTP computes them otherwise than the quantized graph (lowering/qnn_quantizer.py), so in shards
+    HTP computes them otherwise than the quantized graph (lowering/qnn/quantizer.py), so in shards
     of 16-bit activations they get 16-bit weights; the model's own linears keep the precision's."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    from composite.lowering.qnn import QnnShardLowering
+    from composite.lowering.qnn.shard import QnnShardLowering
     from composite.manifest import DECODE
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule, shard_io

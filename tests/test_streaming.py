@@ -136,9 +136,9 @@ def test_a_lowering_job_holds_one_units_float_weights_at_a_time(small_checkpoint
 def test_auto_cut_fills_the_npu_shards_up_to_their_budget():
     from composite.config import build_config
     from composite.export import plan
-    from composite.lowering.htp_limits import MB as HTP_MB
-    from composite.lowering.htp_limits import estimate
     from composite.model.default import DEFAULT_ARGS
+    from composite.split.htp_limits import MB as HTP_MB
+    from composite.split.htp_limits import estimate
     from composite.split.plan import ShardSpec
 
     placement = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]

@@ -15,8 +15,8 @@ import json
 from composite.executor import Job, Result
 from composite.lowering import shared_table
 from composite.lowering.calibration import calibration_calls, effective_options, has_block_weights
+from composite.lowering.qnn.weight_rounding import moment_bytes
 from composite.lowering.task import float_task, lower_task
-from composite.lowering.weight_rounding import moment_bytes
 from composite.lowering.work import ShardWork
 from composite.manifest import method_widths
 from composite.split.plan import unit_bytes

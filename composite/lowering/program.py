@@ -14,7 +14,7 @@ import torch
 
 
 @dataclass
-class LoweredShard:
+class LoweredProgram:
     buffer: bytes
     delegates: dict[str, dict[str, int]]  # method -> backend id -> number of delegate calls
     cpu_ops: dict[str, list[str]]  # method -> operators run by ExecuTorch's CPU kernels
@@ -27,10 +27,10 @@ class LoweredShard:
 
 
 @dataclass
-class Lowered:
+class BackendLowering:
     """What a backend's lower(work, stages) gives back."""
 
-    shard: LoweredShard
+    shard: LoweredProgram
     encodings: dict  # method -> ("in" | "out", name) -> Encoding of the I/O that is not float32
     facts: dict = field(default_factory=dict)  # more for the manifest entry (QNN: spill-fill, SQNR, ...)
 
@@ -84,14 +84,14 @@ def export_methods(module: torch.nn.Module, example_inputs: dict[str, tuple]) ->
         return {name: torch.export.export(module, inputs, strict=False) for name, inputs in example_inputs.items()}
 
 
-def finish(edge, notes: list[str], planning: dict | None = None, external=None, data_file=None) -> LoweredShard:
+def finish(edge, notes: list[str], planning: dict | None = None, external=None, data_file=None) -> LoweredProgram:
     """external: ExecutorchBackendConfig's external_constants (which constants leave the .pte).
     The weights the program keeps outside its .pte (those, or a delegate's named data tagged for a
     data file: lowering/shared_table.py) are moved to `data_file` (a Path) when given, else come
     back as .data."""
     manager = edge.to_executorch(executorch_config(planning, external))
     delegates, cpu_ops = inspect_program(manager)
-    return LoweredShard(manager.buffer, delegates, cpu_ops, notes, program_data(manager, data_file))
+    return LoweredProgram(manager.buffer, delegates, cpu_ops, notes, program_data(manager, data_file))
 
 
 def program_data(manager, data_file: Path | None) -> bytes:

@@ -5,7 +5,7 @@ needs, and returns what the export writes (the .pte bytes and what the manifest 
 weights are read inside the task, one shard's worth, and let go when it ends.
 
 Two kinds:
-- lower_task: the shard lowered by its backend (lowering.LOWER), and checked against what the
+- lower_task: the shard lowered by its backend (lowering.lower_shard), and checked against what the
   manifest will say of it.
 - float_task: run the float shard over the calibration calls; its outputs are the next shard's
   input (what a QNN shard further down is calibrated with).
@@ -27,21 +27,23 @@ import torch
 
 from composite import manifest as manifest_schema
 from composite import manifest_write
-from composite.lowering import LOWER
+from composite.lowering import lower_shard
 from composite.lowering.calibration import replay_wide
-from composite.lowering.program import LoweredShard
+from composite.lowering.program import LoweredProgram
 from composite.lowering.upstream_patches import provenance_shared
 from composite.lowering.work import ShardWork, load_shard
 
 
 @dataclass
-class ShardLowered:
+class ShardTaskResult:
     index: int
-    shard: LoweredShard  # .buffer: the .pte bytes, .data its .ptd's (empty when the task wrote them beside work.output)
+    shard: (
+        LoweredProgram  # .buffer: the .pte bytes, .data its .ptd's (empty when the task wrote them beside work.output)
+    )
     io: dict  # the manifest's description of its methods' inputs and outputs (checked against the program)
     stages: dict[str, float]  # where the task's time went: read, lower, serialize, calibrate, measure
     where: str  # host:pid of the process that ran it
-    facts: dict = field(default_factory=dict)  # more for its manifest entry (Lowered.facts)
+    facts: dict = field(default_factory=dict)  # more for its manifest entry (BackendLowering.facts)
 
 
 @contextmanager
@@ -66,14 +68,14 @@ def float_task(work: ShardWork, stream: list | None = None) -> list:
         return replay_wide(module, work.calls, stream, work.methods, work.max_seq_len)
 
 
-def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | None = None) -> ShardLowered:
+def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | None = None) -> ShardTaskResult:
     """The shard lowered. A QNN shard is calibrated on `stream` (its input per calibration call,
     None: the calls' tokens), its hidden output given the range of `next_stream` (the float
     shard's own output per call)."""
     work = dataclasses.replace(work, stream=stream, next_stream=next_stream)
     with one_thread(), provenance_shared():
         stages: dict[str, float] = {}
-        lowered = LOWER[work.placement.backend](work, stages)
+        lowered = lower_shard(work, stages)
         described = describe_io(work.io(), lowered.encodings)
         from executorch.runtime import Runtime
 
@@ -83,10 +85,10 @@ def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | 
         if work.output is not None:  # written here: the bytes need not travel back
             write_files(lowered.shard, Path(work.output))
             lowered.shard.buffer = lowered.shard.data = b""
-        return ShardLowered(work.spec.index, lowered.shard, described, stages, here(), lowered.facts)
+        return ShardTaskResult(work.spec.index, lowered.shard, described, stages, here(), lowered.facts)
 
 
-def write_files(shard: LoweredShard, pte: Path) -> None:
+def write_files(shard: LoweredProgram, pte: Path) -> None:
     """The shard's .pte at `pte` and, if it keeps weights outside it, its .ptd beside it (what
     the task did not write itself: empty bytes are not written)."""
     if shard.buffer:

@@ -83,7 +83,7 @@ TARGETS: dict[str, list[Target]] = {
 RELIED_ON: dict[str, list[Target]] = {
     # LPBQ scales put on the grid QNN's builder rounds them to, through ExecuTorch's per-block
     # config, observer and builder.
-    "lowering/lpbq.py, lowering/qnn_quantizer.py:on_lpbq_grid": [
+    "lowering/qnn/lpbq.py, lowering/qnn/quantizer.py:on_lpbq_grid": [
         Target(
             "executorch 1.5.1",
             "executorch.backends.qualcomm.builders.node_visitor",

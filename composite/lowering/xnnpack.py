@@ -21,7 +21,7 @@ from torch import nn
 
 from composite.lowering import native_io, shared_table, torchao_weights
 from composite.lowering.embedding import QuantizedEmbedding
-from composite.lowering.program import Lowered, export_methods, finish, timed
+from composite.lowering.program import BackendLowering, export_methods, finish, timed
 from composite.lowering.work import ShardWork, load_shard
 from composite.model.llama import Attention, FeedForward, RMSNorm, rope_cos_sin
 
@@ -198,7 +198,7 @@ def fp32_note(skipped: list[str], options: dict) -> list[str]:
     ]
 
 
-def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
+def lower_xnnpack_shard(work: ShardWork, stages: dict[str, float]) -> BackendLowering:
     """An XNNPACK shard read and lowered. A quantized shard quantizes each unit as it is read (its
     float weights go before the next unit's come), and the embedding table as work says."""
     options = work.placement.options
@@ -224,7 +224,7 @@ def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
         shard = finish(
             edge, fp32_note(skipped, options) + lowering_notes + notes, external=lookup, data_file=work.data_file
         )
-    return Lowered(shard, encodings)
+    return BackendLowering(shard, encodings)
 
 
 def lower_module(

@@ -152,7 +152,7 @@ class KroneckerRotation(nn.Module):
     def __init__(self, across: torch.Tensor, within: torch.Tensor):
         super().__init__()
         # F.linear with buffers, not nn.Linear: XNNPACK's quantizer (quantize_linears) leaves them in
-        # float; QNN's gives them 16-bit weights (lowering/qnn_quantizer.py).
+        # float; QNN's gives them 16-bit weights (lowering/qnn/quantizer.py).
         self.register_buffer("across_t", across.T.contiguous())
         self.register_buffer("within_t", within.T.contiguous())
 

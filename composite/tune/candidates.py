@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from composite.config import DEFAULT_OPTIONS, QNN_PRECISIONS, ExportConfig
 from composite.errors import UserError
 from composite.lowering import shared_table
-from composite.lowering.qnn_quantizer import rotation_precision
+from composite.lowering.qnn.quantizer import rotation_precision
 from composite.model.llama import ModelArgs
 from composite.model.rotation import hidden_rotation_sizes
 

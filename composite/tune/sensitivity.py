@@ -38,7 +38,7 @@ from composite.eval.scoring import chunks as cut_chunks
 from composite.eval.scoring import eval_tokens, first_scored
 from composite.lowering.calibration import calibrate, effective_options
 from composite.lowering.embedding import QuantizedEmbedding
-from composite.lowering.htp_graph import htp_form
+from composite.lowering.qnn.htp_graph import htp_form
 from composite.lowering.xnnpack import quantize_linears
 from composite.manifest import DECODE, MASK_HIDDEN, PREFILL, method_widths
 from composite.model.llama import cache_shapes, rope_cos_sin
@@ -338,7 +338,7 @@ class Sensitivity:
     def _prepare_qnn(self, pairs: list[tuple[Group, Candidate]], calibration: dict) -> None:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-        from composite.lowering.qnn import QnnShardLowering, traced_htp
+        from composite.lowering.qnn.shard import QnnShardLowering, traced_htp
 
         jobs: dict[int, list] = {}
         traces: dict[int, dict] = {}  # one torch.export per group, whatever its precisions

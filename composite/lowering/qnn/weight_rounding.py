@@ -184,7 +184,7 @@ def round_weights(graphs: dict, moments: dict[frozenset, InputMoments]) -> int:
     its GPTQ rounding on the grid its observer chose, once per weight tensor, with the inputs of
     every method that reads it. -> how many weights were rounded. (16a4w's per-channel weights keep
     nearest rounding: GPTQ raised their KL divergence, docs/quality.md.)"""
-    from composite.lowering.lpbq import LpbqObserver
+    from composite.lowering.qnn.lpbq import LpbqObserver
 
     readers: dict[int, list] = {}  # a weight tensor -> (graph, parameter, input moments, weight observer) of each use
     for graph in graphs.values():

@@ -90,7 +90,7 @@ def on_lpbq_grid(config) -> None:
     """A 16a4w_block ModuleQConfig whose block weights get scales on the HTP's grid (lpbq.py)."""
     import dataclasses
 
-    from composite.lowering.lpbq import LpbqObserver
+    from composite.lowering.qnn.lpbq import LpbqObserver
 
     for i, block_config in enumerate(config.per_block_quant_config_list):
         spec = block_config.weight

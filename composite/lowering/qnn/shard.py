@@ -24,12 +24,13 @@ import torch
 from composite import qnn_host
 from composite.errors import UserError
 from composite.executor.fork import ForkedCall
-from composite.lowering import native_io, weight_rounding
+from composite.lowering import native_io
 from composite.lowering.calibration import ShardReplay, has_block_weights, sqnr_db
-from composite.lowering.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
-from composite.lowering.program import Lowered, LoweredShard, finish
-from composite.lowering.qnn_pte import content_signatures, context_bytes, own_spill_fill
-from composite.lowering.qnn_quantizer import quantizer_for
+from composite.lowering.program import BackendLowering, LoweredProgram, finish
+from composite.lowering.qnn import weight_rounding
+from composite.lowering.qnn.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
+from composite.lowering.qnn.pte import content_signatures, context_bytes, own_spill_fill
+from composite.lowering.qnn.quantizer import quantizer_for
 from composite.lowering.upstream_patches import forget_cached_modules, lean_preprocess, linear_time_observers
 from composite.lowering.work import ShardWork, load_shard
 from composite.runtime.encoding import convert
@@ -155,7 +156,7 @@ class QnnShardLowering:
 
     def lower(
         self, measure: Callable[[bytes], tuple], weights_to: str | None = None
-    ) -> tuple[LoweredShard, int, int, list]:
+    ) -> tuple[LoweredProgram, int, int, list]:
         """-> (the lowered shard, whose contexts carry the spill-fill size they need, that size,
         the bytes of its context binaries, [measure(.pte bytes)] of what runs on this host: one
         item a program, each measuring the methods it has). XNNPACK takes what QNN is told to
@@ -344,7 +345,7 @@ def skipped_op_set(options: dict) -> set:
     return ops
 
 
-def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
+def lower_qnn_shard(work: ShardWork, stages: dict[str, float]) -> BackendLowering:
     """A QNN shard from its float module to its .pte: calibrated (quantized precisions) on the
     calls of work.calls, its input for each being work.stream (the float model's output of the
     shard before it; None for the embedding's shard), lowered, and measured on the held-out calls.
@@ -399,7 +400,7 @@ def lower(work: ShardWork, stages: dict[str, float]) -> Lowered:
         stages["measure"] += seconds
     stages["lower"] = time.perf_counter() - started - stages["measure"]
     facts = {"spill_fill_bytes": own, "htp_context_bytes": context, "sqnr_db": sqnr, "sqnr_worst_token_db": worst}
-    return Lowered(lowered, job.io_encodings, facts)
+    return BackendLowering(lowered, job.io_encodings, facts)
 
 
 def held_out_pass(module, calls: list, stream: list | None, methods: dict, max_seq_len: int) -> tuple[dict, dict]:
