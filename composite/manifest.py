@@ -380,57 +380,63 @@ def parse(text: str, folder: str) -> dict:
         raise UserError(f"{where}: 'shards' must be a non-empty list")
     expected_layer = 0
     for i, shard in enumerate(shards):
-        sw = f"{where} shard {i}"
-        index = _require_int(shard, "index", sw)
-        if index != i:
-            raise UserError(f"{sw} says index {index}: shards are out of order")
-        if "/" in _require_text(shard, "file", sw):
-            raise UserError(f"{sw}: file name must not contain '/'")
-        _require_text(shard, "sha256", sw)
-        _integer(_require(shard, "size", sw), f"{sw} size", 64)
-        if "data" in shard:
-            data = shard["data"]
-            if not isinstance(data, dict):
-                raise UserError(f"{sw} 'data' must name a file with its size and sha256")
-            if "/" in _require_text(data, "file", f"{sw} data"):
-                raise UserError(f"{sw}: data file name must not contain '/'")
-            _require_text(data, "sha256", f"{sw} data")
-            _integer(_require(data, "size", f"{sw} data"), f"{sw} data size", 64)
-        layers = _integers(_require(shard, "layers", sw), f"{sw} layers", 32)
-        if len(layers) != 2 or layers[0] != expected_layer or layers[1] < layers[0] or layers[1] > dims["n_layers"]:
-            raise UserError(f"{sw}: layers do not continue the chain at layer {expected_layer}")
-        expected_layer = layers[1]
-        has_embedding = _boolean(_require(shard, "has_embedding", sw), f"{sw} 'has_embedding'")
-        has_head = _boolean(_require(shard, "has_head", sw), f"{sw} 'has_head'")
-        if has_embedding != (i == 0) or has_head != (i + 1 == len(shards)):
-            raise UserError(f"{sw}: the embedding must be in the first shard and the head in the last")
-        if "backends" in shard:
-            if not isinstance(shard["backends"], list):
-                raise UserError(f"{sw} 'backends' must be a list of names")
-            for backend in shard["backends"]:
-                _text(backend, f"{sw} 'backends'")
-        if "cpu_ops" in shard:
-            ops = shard["cpu_ops"]
-            if not isinstance(ops, dict) or not all(isinstance(v, list) for v in ops.values()):
-                raise UserError(f"{sw} 'cpu_ops' must map methods to lists of operator names")
-            for name in sorted(ops):
-                for op in ops[name]:
-                    _text(op, f"{sw} 'cpu_ops'")
-        if "weight_sharing" in shard:
-            _boolean(shard["weight_sharing"], f"{sw} 'weight_sharing'")
-        io = _require(shard, "io", sw)
-        for name in sorted(widths):
-            method = _require(io, name, f"{sw} io")
-            _check_tensors(_require(method, "inputs", sw), f"{sw} {name} inputs")
-            _check_tensors(_require(method, "outputs", sw), f"{sw} {name} outputs")
-        _check_value_dtypes({name: io[name] for name in sorted(widths)}, sw)
-        _check_cache_encodings({name: io[name] for name in sorted(widths)}, layers[0], layers[1], sw)
+        expected_layer = _check_shard(shard, i, len(shards), expected_layer, dims["n_layers"], widths, where)
     if expected_layer != dims["n_layers"]:
         raise UserError(f"{where}: the shards do not cover all layers")
     if j.get("qnn") is not None:
         _require_text(j["qnn"], "build_id", f"{where} qnn")
         _integer(_require(j["qnn"], "spill_fill_bytes", f"{where} qnn"), f"{where} qnn spill_fill_bytes", 64)
     return j
+
+
+def _check_shard(shard, i: int, count: int, expected_layer: int, n_layers: int, widths: dict, where: str) -> int:
+    """Shard i of `count` (manifest.cpp's checks of a shard, in its order); -> the layer the next
+    shard must start at."""
+    sw = f"{where} shard {i}"
+    index = _require_int(shard, "index", sw)
+    if index != i:
+        raise UserError(f"{sw} says index {index}: shards are out of order")
+    if "/" in _require_text(shard, "file", sw):
+        raise UserError(f"{sw}: file name must not contain '/'")
+    _require_text(shard, "sha256", sw)
+    _integer(_require(shard, "size", sw), f"{sw} size", 64)
+    if "data" in shard:
+        data = shard["data"]
+        if not isinstance(data, dict):
+            raise UserError(f"{sw} 'data' must name a file with its size and sha256")
+        if "/" in _require_text(data, "file", f"{sw} data"):
+            raise UserError(f"{sw}: data file name must not contain '/'")
+        _require_text(data, "sha256", f"{sw} data")
+        _integer(_require(data, "size", f"{sw} data"), f"{sw} data size", 64)
+    layers = _integers(_require(shard, "layers", sw), f"{sw} layers", 32)
+    if len(layers) != 2 or layers[0] != expected_layer or layers[1] < layers[0] or layers[1] > n_layers:
+        raise UserError(f"{sw}: layers do not continue the chain at layer {expected_layer}")
+    has_embedding = _boolean(_require(shard, "has_embedding", sw), f"{sw} 'has_embedding'")
+    has_head = _boolean(_require(shard, "has_head", sw), f"{sw} 'has_head'")
+    if has_embedding != (i == 0) or has_head != (i + 1 == count):
+        raise UserError(f"{sw}: the embedding must be in the first shard and the head in the last")
+    if "backends" in shard:
+        if not isinstance(shard["backends"], list):
+            raise UserError(f"{sw} 'backends' must be a list of names")
+        for backend in shard["backends"]:
+            _text(backend, f"{sw} 'backends'")
+    if "cpu_ops" in shard:
+        ops = shard["cpu_ops"]
+        if not isinstance(ops, dict) or not all(isinstance(v, list) for v in ops.values()):
+            raise UserError(f"{sw} 'cpu_ops' must map methods to lists of operator names")
+        for name in sorted(ops):
+            for op in ops[name]:
+                _text(op, f"{sw} 'cpu_ops'")
+    if "weight_sharing" in shard:
+        _boolean(shard["weight_sharing"], f"{sw} 'weight_sharing'")
+    io = _require(shard, "io", sw)
+    for name in sorted(widths):
+        method = _require(io, name, f"{sw} io")
+        _check_tensors(_require(method, "inputs", sw), f"{sw} {name} inputs")
+        _check_tensors(_require(method, "outputs", sw), f"{sw} {name} outputs")
+    _check_value_dtypes({name: io[name] for name in sorted(widths)}, sw)
+    _check_cache_encodings({name: io[name] for name in sorted(widths)}, layers[0], layers[1], sw)
+    return layers[1]
 
 
 def _model_dims(j: dict, where: str) -> dict:
