@@ -80,7 +80,14 @@ class ContextShift:
             )
         started = time.perf_counter()
         cos, sin = rotation_by(self.inv_freq, -evict)
-        cache.shift(self.keep, evict, used, cos, sin)
+        # On one thread: torch's pool would wait for the cores ExecuTorch's own threadpool spins
+        # on, and a shift of small tensors gains nothing from more (docs/quality.md).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            cache.shift(self.keep, evict, used, cos, sin)
+        finally:
+            torch.set_num_threads(threads)
         self.seconds += time.perf_counter() - started
         self.shifts += 1
         return used - evict
