@@ -43,12 +43,14 @@ ContextShift::ContextShift(const Manifest& manifest, int keep, int evict)
   }
 }
 
+std::string ContextShift::too_long(const std::string& what, size_t tokens) const {
+  return what + " has " + std::to_string(tokens) + " tokens, more than the context holds: max_seq_len " +
+         std::to_string(window_) + " less " + std::to_string(keep_) + " kept (--keep) leaves room for " +
+         std::to_string(window_ - keep_ - 1);
+}
+
 void ContextShift::check_prompt(size_t tokens) const {
-  if (keep_ + static_cast<int>(tokens) >= window_) {
-    throw RunnerError("the prompt has " + std::to_string(tokens) +
-                      " tokens, more than the context holds: max_seq_len " + std::to_string(window_) + " less " +
-                      std::to_string(keep_) + " kept (--keep) leaves room for " + std::to_string(window_ - keep_ - 1));
-  }
+  if (!fits(tokens)) throw RunnerError(too_long("the prompt", tokens));
 }
 
 int ContextShift::room(TokenChain& chain, int used, int needed) {

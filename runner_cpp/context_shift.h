@@ -27,7 +27,10 @@ class ContextShift {
   // the export's manifest has no rope frequencies.
   ContextShift(const Manifest& manifest, int keep, int evict);
 
-  // Throws RunnerError when a prompt of `tokens` cannot fit beside the kept tokens.
+  // Whether a prompt of `tokens` fits beside the kept tokens with a slot left to generate; why not,
+  // naming it `what`; check_prompt throws that as a RunnerError.
+  bool fits(size_t tokens) const { return keep_ + static_cast<int>(tokens) < window_; }
+  std::string too_long(const std::string& what, size_t tokens) const;
   void check_prompt(size_t tokens) const;
   // Makes room for `needed` more tokens after `used` slots; returns the slots used after it.
   int room(TokenChain& chain, int used, int needed);

@@ -406,6 +406,10 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
     std::vector<int64_t> turn = carried;
     const std::vector<int64_t> user = chat_turn_tokens(tokenizer, format, turns.empty(), o.system, line);
     turn.insert(turn.end(), user.begin(), user.end());
+    if (shift && !shift->fits(turn.size())) {
+      std::cerr << shift->too_long("this turn", turn.size()) << ": the chat ends here\n";
+      break;
+    }
     if (limits.seq_len && pos + static_cast<int>(turn.size()) >= limits.seq_len) {
       std::cerr << "the context is full (" << pos << " of " << limits.seq_len << " tokens used, this turn needs "
                 << turn.size() << " more): the chat ends here\n";

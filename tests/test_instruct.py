@@ -296,6 +296,14 @@ def test_a_long_chat_goes_on_past_the_context_alike_in_both_runners(instruct_exp
 
 
 @pytest.mark.parametrize("runner", ["cpp", "python"])
+def test_a_turn_longer_than_the_context_ends_the_chat_cleanly(instruct_export, runner, tmp_path):
+    result = run_chat(runner, instruct_export, tmp_path / "long.json", turns=[TURNS[0], "robot " * 200])
+    assert result.returncode == 0, result.stderr
+    assert "this turn has" in result.stderr and "the chat ends here" in result.stderr
+    assert len(json.loads((tmp_path / "long.json").read_text())["turns"]) == 1
+
+
+@pytest.mark.parametrize("runner", ["cpp", "python"])
 def test_chat_ends_cleanly_when_the_context_is_full(instruct_export, instruct_folder, runner, tmp_path):
     _, folder, _ = instruct_folder
     opening = template_ids(folder, messages(TURNS[0]))

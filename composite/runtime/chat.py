@@ -88,6 +88,9 @@ def chat(
             continue
         first = not conversation.turns and not carried
         turn = carried + turn_tokens(tokenizer, manifest["chat"], first, system, line)
+        if shift is not None and not shift.fits(len(turn)):
+            conversation.context_full = shift.too_long("this turn", len(turn)) + ": the chat ends here"
+            break
         if seq_len and conversation.in_cache + len(turn) >= seq_len:
             conversation.context_full = (
                 f"the context is full ({conversation.in_cache} of {seq_len} tokens used, this turn needs "

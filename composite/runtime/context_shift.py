@@ -59,13 +59,19 @@ class ContextShift:
         self.shifts = 0
         self.seconds = 0.0
 
+    def fits(self, prompt_tokens: int) -> bool:
+        """A prompt fits in the context beside the kept tokens, with a slot left to generate."""
+        return self.keep + prompt_tokens < self.window
+
+    def too_long(self, what: str, tokens: int) -> str:
+        return (
+            f"{what} has {tokens} tokens, more than the context holds: max_seq_len {self.window} less {self.keep} "
+            f"kept (--keep) leaves room for {self.window - self.keep - 1}"
+        )
+
     def check_prompt(self, prompt_tokens: int) -> None:
-        """A prompt must fit in the context beside the kept tokens, with a slot left to generate."""
-        if self.keep + prompt_tokens >= self.window:
-            raise UserError(
-                f"the prompt has {prompt_tokens} tokens, more than the context holds: max_seq_len {self.window} "
-                f"less {self.keep} kept (--keep) leaves room for {self.window - self.keep - 1}"
-            )
+        if not self.fits(prompt_tokens):
+            raise UserError(self.too_long("the prompt", prompt_tokens))
 
     def room(self, cache, used: int, needed: int) -> int:
         """Makes room for `needed` more tokens after the `used` slots of `cache`; returns the slots
