@@ -15,6 +15,8 @@ artifacts="$build/artifacts"
 python3 -m composite.export --shards 3 --max-seq-len 96 --prefill-len 12 --output "$artifacts" >/dev/null
 "$build/composite_runner" --artifacts "$artifacts" --prompt "Once upon a time" --max_new_tokens 32 \
   --temperature 0.8 --top_p 0.9 --seed 3 --stats_json "$build/stats.json" --verify >/dev/null
+# Past the context of 96: shifts of the cache (moves and re-rotations) under the sanitizers.
+"$build/composite_runner" --artifacts "$artifacts" --prompt "Once upon a time" --max_new_tokens 200 --evict 30 >/dev/null
 # A chat of three turns whose last one no longer fits: the cache carried between turns, the end.
 printf 'Hi.\n\nMore </s> now.\n%s\n' "$(printf 'word %.0s' $(seq 100))" |
   "$build/composite_runner" --artifacts "$artifacts" --chat --max_new_tokens 4 >/dev/null 2>&1
@@ -32,7 +34,8 @@ expect_clean_error() {
 expect_clean_error --artifacts "$build/missing" --prompt hi
 expect_clean_error --artifacts "$artifacts" --prompt ""
 expect_clean_error --artifacts "$artifacts" --prompt_ids 1,x
-expect_clean_error --artifacts "$artifacts" --prompt hi --seq_len 100000
+expect_clean_error --artifacts "$artifacts" --prompt hi --seq_len 100000 --no_context_shift
+expect_clean_error --artifacts "$artifacts" --prompt hi --evict 0
 rm -rf "$build/broken"  # a rerun must not nest the copy inside the old one
 cp -r "$artifacts" "$build/broken"
 head -c 1000 "$artifacts/shard_01.pte" >"$build/broken/shard_01.pte"
