@@ -23,12 +23,11 @@ void rotation_by(const std::vector<float>& inv_freq, int distance, std::vector<f
 
 ContextShift::ContextShift(const Manifest& manifest, int keep, int evict)
     : window_(manifest.max_seq_len), keep_(keep < 0 ? kDefaultKeep : keep), inv_freq_(manifest.rope_inv_freq) {
-  int widest = 1;
-  for (const auto& [name, width] : manifest.methods) widest = std::max(widest, width);
-  if (keep_ + widest > window_) {
+  // Room for a prompt token and a generated one; a prefill call narrower than its method fits
+  // wherever the prompt does (check_prompt).
+  if (keep_ > window_ - 2) {
     throw RunnerError("--keep " + std::to_string(keep_) + " leaves no room in the context of " +
-                      std::to_string(window_) + " tokens for a call of " + std::to_string(widest) +
-                      " (keep must be 0 .. " + std::to_string(window_ - widest) + ")");
+                      std::to_string(window_) + " tokens (keep must be 0 .. " + std::to_string(window_ - 2) + ")");
   }
   evict_ = evict < 0 ? default_evict(window_, keep_) : evict;
   if (evict_ < 1 || evict_ > window_ - keep_) {

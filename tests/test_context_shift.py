@@ -150,7 +150,7 @@ def test_a_streamed_text_scores_alike_in_both_runners_beside_the_float_model(def
 @pytest.mark.parametrize(
     "flags, phrase",
     [
-        (("--keep", "90"), "--keep 90 leaves no room"),
+        (("--keep", "96"), "--keep 96 leaves no room"),
         (("--evict", "0"), "--evict 0 is out of range"),
         (("--evict", "93"), "--evict 93 is out of range"),
         (("--keep", "2", "--no-context-shift"), "--keep and --evict shape the context shift"),

@@ -37,11 +37,12 @@ class ContextShift:
     def __init__(self, manifest: dict, keep: int | None = None, evict: int | None = None):
         self.window = manifest["max_seq_len"]
         self.keep = DEFAULT_KEEP if keep is None else keep
-        widest = max(manifest["methods"].values())
-        if not self.keep >= 0 or self.keep + widest > self.window:
+        # Room for a prompt token and a generated one; a prefill call narrower than its method
+        # fits wherever the prompt does (check_prompt).
+        if not 0 <= self.keep <= self.window - 2:
             raise UserError(
-                f"--keep {self.keep} leaves no room in the context of {self.window} tokens for a call of {widest} "
-                f"(keep must be 0 .. {self.window - widest})"
+                f"--keep {self.keep} leaves no room in the context of {self.window} tokens "
+                f"(keep must be 0 .. {self.window - 2})"
             )
         self.evict = default_evict(self.window, self.keep) if evict is None else evict
         if not 1 <= self.evict <= self.window - self.keep:

@@ -187,7 +187,8 @@ TEST(Generate, AContextShiftRefusesAPromptThatCannotFitAndOutOfRangeSettings) {
   EXPECT_EQ(shift.evict(), 3);  // a quarter of the 12 evictable
   EXPECT_THROW(generate(chain, std::vector<int64_t>(12, 1), 4, 100, limits(5, 0, {}, 16), greedy, nullptr, 0, &shift),
                RunnerError);
-  EXPECT_THROW(composite::ContextShift(shift_manifest(16, 4), 13, -1), RunnerError);  // no room for a prefill call
+  EXPECT_THROW(composite::ContextShift(shift_manifest(16, 4), 15, -1), RunnerError);  // no room to generate
+  EXPECT_NO_THROW(composite::ContextShift(shift_manifest(16, 4), 14, -1));
   EXPECT_THROW(composite::ContextShift(shift_manifest(16, 4), 4, 0), RunnerError);
   EXPECT_THROW(composite::ContextShift(shift_manifest(16, 4), 4, 13), RunnerError);
   composite::Manifest old = shift_manifest(16, 4);
