@@ -23,6 +23,7 @@ from tqdm import tqdm
 from composite.errors import UserError
 from composite.eval.metrics import Reference, Scores
 from composite.manifest import DECODE
+from composite.runtime.generate import run_call
 
 
 def stream_ids(ids: list[int], bos: int | None) -> list[int]:
@@ -38,9 +39,7 @@ def export_logits(chain, ids: list[int], shift):
     pos = 0
     count = len(ids) - 1 if shift is not None else min(len(ids) - 1, chain.max_seq_len)
     for token in ids[:count]:
-        if shift is not None:
-            pos = shift.room(chain.cache, pos, 1)
-        logits = chain.forward(DECODE, [token], pos)
+        logits, pos = run_call(chain, shift, DECODE, [token], pos)
         pos += 1
         yield torch.log_softmax(logits.double(), dim=-1)
 
