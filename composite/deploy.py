@@ -23,10 +23,10 @@ import sys
 from pathlib import Path, PurePosixPath
 
 from composite import manifest as manifest_schema
-from composite import qnn_host
+from composite import manifest_files, qnn_host
 from composite.bundle import library_closure
 from composite.errors import UserError, exits_cleanly
-from composite.manifest import sha256_file as file_sha256
+from composite.manifest_files import sha256_file as file_sha256
 from composite.qnn_soc import htp_arch
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ def open_transport(args) -> LocalTransport | AdbTransport:
 
 def read_manifest(artifacts: Path) -> dict:
     manifest = manifest_schema.read(artifacts)
-    manifest_schema.check_files(artifacts, manifest)
+    manifest_files.check_files(artifacts, manifest)
     return manifest
 
 

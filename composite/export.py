@@ -26,7 +26,6 @@ import uuid
 from pathlib import Path
 
 from composite import chat_template, config_flags, manifest_write, qnn_host, shard_cache, spill_fill, staging
-from composite import manifest as manifest_schema
 from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes
 from composite.errors import Failure, UserError, exits_cleanly
 from composite.executor import Done, JobFailed
@@ -37,6 +36,7 @@ from composite.export_report import JobProgress, JobRuns, print_summary, write_s
 from composite.lowering import embedding, shared_table
 from composite.lowering.jobs import lowering_jobs, shard_file, shard_works
 from composite.lowering.task import ShardTaskResult, lower_task, merge_data_files, write_files
+from composite.manifest_files import sha256_file
 from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, meminfo, memory_budget
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes, rope_inv_freq
@@ -209,7 +209,7 @@ def build_manifest(
     tokenizer_entry = tokenizer and {
         "file": tokenizer.path.name,
         "type": tokenizer.kind,
-        "sha256": manifest_schema.sha256_file(tokenizer.path),
+        "sha256": sha256_file(tokenizer.path),
     }
     return manifest_write.document(
         export_id=uuid.uuid4().hex,

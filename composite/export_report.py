@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from composite import manifest as manifest_schema
+from composite import manifest_files
 from composite.config import Placement
 from composite.errors import UserError
 from composite.memory import Stopwatch, gb
@@ -128,7 +128,7 @@ def print_summary(
             f"QNN {qnn_summary['build_id']} ({qnn_summary['libraries']}); shared spill-fill buffer "
             f"{qnn_summary['spill_fill_bytes']} bytes"
         )
-    total = manifest_schema.stored_bytes(shards)
+    total = manifest_files.stored_bytes(shards)
     hits = sum(s.get("cache") == "hit" for s in shards)
     reused = f" ({hits} of them from the cache)" if hits else ""
     every, own = peak_bytes

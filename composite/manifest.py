@@ -1,8 +1,8 @@
 """manifest.json: the only contract between the exporter and the runners (Python and C++).
 
-This module describes it (below) and reads it (`read`, `parse`); manifest_write.py writes it
-(`shard_entry`, `document`, `write`); runner_cpp/manifest.cpp reads it too, with the same checks
-and messages (tests/manifests holds cases both must judge alike).
+This module describes it (below) and reads it (`read`, `parse`); manifest_files.py checks the files
+beside it; manifest_write.py writes it (`shard_entry`, `document`, `write`); runner_cpp/manifest.cpp
+reads it too, with the same checks and messages (tests/manifests holds cases both must judge alike).
 
 Schema, version 2. [R] = read and checked by both runners; the rest is written for people and
 tools (the runners ignore it). Every key is written by every export unless marked optional.
@@ -96,7 +96,6 @@ end with "logits_index" [1] int64 (the row of the last valid token). Outputs: "h
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -162,44 +161,8 @@ def memory_figures(manifest: dict) -> dict:
     return {"kv_cache_bytes": sum(per_shard), "kv_cache_bytes_per_shard": per_shard, "decode_io_bytes_per_shard": io}
 
 
-def stored_bytes(shards: list[dict]) -> int:
-    """Bytes of an export's shard files, each data file they read counted once."""
-    data = {shard["data"]["file"]: shard["data"]["size"] for shard in shards if "data" in shard}
-    return sum(shard["size"] for shard in shards) + sum(data.values())
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def check_against_program(program, shard: dict) -> None:
-    """A lowered program's own method metadata must match what the manifest promises for it
-    (program: an executorch.runtime Program)."""
-    for method, io in shard["io"].items():
-        meta = program.metadata(method)
-        for kind, count, get in (
-            ("inputs", meta.num_inputs(), meta.input_tensor_meta),
-            ("outputs", meta.num_outputs(), meta.output_tensor_meta),
-        ):
-            expected = io[kind]
-            if count != len(expected):
-                raise RuntimeError(f"shard {shard['index']} {method}: {count} {kind}, manifest says {len(expected)}")
-            for i, entry in enumerate(expected):
-                info = get(i)
-                dtype = SCALAR_TYPE_NAMES.get(int(info.dtype()), str(info.dtype()))
-                if list(info.sizes()) != entry["shape"] or dtype != entry["dtype"]:
-                    raise RuntimeError(
-                        f"shard {shard['index']} {method} {kind[:-1]} {entry['name']}: program has "
-                        f"{list(info.sizes())} {dtype}, manifest says {entry['shape']} {entry['dtype']}"
-                    )
-
-
 def read(folder: Path) -> dict:
-    """Load and check `folder`/manifest.json (file checks are `check_files`)."""
+    """Load and check `folder`/manifest.json (the files beside it: manifest_files.py)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"artifacts folder {folder} does not exist")
@@ -471,30 +434,3 @@ def check_chat(chat, where: str) -> int:
     if not isinstance(trim, list) or not all(role in CHAT_TRIM_ROLES for role in trim):
         raise UserError(f"{where} 'trim' must be a list of roles (system, user), got {_dump(trim)}")
     return end_of_turn
-
-
-def check_files(folder: Path, manifest: dict, verify_sha256: bool = False) -> None:
-    """Every shard file, and every data file a shard reads, exists with the recorded size (and
-    hash, when asked)."""
-    folder = Path(folder)
-    for shard in manifest["shards"]:
-        for entry in (shard, shard.get("data")):
-            if entry is None:
-                continue
-            path = folder / entry["file"]
-            if not path.is_file():
-                what = "" if entry is shard else ", whose weights it reads,"
-                raise UserError(f"shard {shard['index']}: {path}{what} is missing")
-            size = path.stat().st_size
-            if size != entry["size"]:
-                raise UserError(
-                    f"shard {shard['index']}: {path} is {size} bytes but the manifest says {entry['size']} "
-                    "(truncated, or from another export)"
-                )
-            if verify_sha256 and sha256_file(path) != entry["sha256"]:
-                raise UserError(
-                    f"shard {shard['index']}: {path} does not match the manifest's sha256 (from another export?)"
-                )
-    tokenizer = manifest.get("tokenizer")
-    if tokenizer and not (folder / tokenizer["file"]).is_file():
-        raise UserError(f"tokenizer {folder / tokenizer['file']} named by the manifest is missing")

@@ -14,8 +14,8 @@ from composite.manifest import (
     VERSION,
     dtype_name,
     method_widths,
-    sha256_file,
 )
+from composite.manifest_files import sha256_file
 
 
 def tensor_entries(specs, native: dict | None = None) -> list[dict]:

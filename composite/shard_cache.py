@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-from composite import manifest as manifest_schema
-from composite import manifest_write, staging
+from composite import manifest_files, manifest_write, staging
 from composite.errors import UserError
 
 SCHEMA = 1
@@ -148,7 +147,7 @@ class ShardCache:
         try:
             entry = json.loads((entry_dir / ENTRY_FILE).read_text())
             shutil.copyfile(entry_dir / PTE_FILE, target)
-            if target.stat().st_size != entry["size"] or manifest_schema.sha256_file(target) != entry["sha256"]:
+            if target.stat().st_size != entry["size"] or manifest_files.sha256_file(target) != entry["sha256"]:
                 raise ValueError("its .pte does not match its recorded size and sha256")
             if "data" in entry:
                 data = target.with_suffix(".ptd")
@@ -156,12 +155,12 @@ class ShardCache:
                 shutil.copyfile(entry_dir / DATA_FILE, data)
                 if (
                     data.stat().st_size != entry["data"]["size"]
-                    or manifest_schema.sha256_file(data) != entry["data"]["sha256"]
+                    or manifest_files.sha256_file(data) != entry["data"]["sha256"]
                 ):
                     raise ValueError("its .ptd does not match its recorded size and sha256")
             from executorch.runtime import Runtime
 
-            manifest_schema.check_against_program(Runtime.get().load_program(target), {**entry, "index": "?"})
+            manifest_files.check_against_program(Runtime.get().load_program(target), {**entry, "index": "?"})
         except FileNotFoundError:
             target.unlink(missing_ok=True)
             target.with_suffix(".ptd").unlink(missing_ok=True)

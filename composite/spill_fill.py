@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from composite import manifest as manifest_schema
-from composite import qnn_host
+from composite import manifest_files, qnn_host
 from composite.lowering.qnn.pte import with_spill_fill
 
 
@@ -25,7 +24,7 @@ def settle(folder: Path, entries: list[dict], job_stages: list[dict]) -> dict:
         if entry["spill_fill_bytes"] != shared:
             path = folder / entry["file"]
             path.write_bytes(with_spill_fill(path.read_bytes(), shared))
-            entry["sha256"], entry["size"] = manifest_schema.sha256_file(path), path.stat().st_size
+            entry["sha256"], entry["size"] = manifest_files.sha256_file(path), path.stat().st_size
     calibration = [stages["calibrate"] for stages in job_stages if "calibrate" in stages]
     host = qnn_host.prepare()
     return {

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from composite.errors import UserError, exits_cleanly  # noqa: E402
-from composite.manifest import stored_bytes  # noqa: E402
+from composite.manifest_files import stored_bytes  # noqa: E402
 from composite.model.checkpoint import load_checkpoint  # noqa: E402
 
 # XNNPACK rows: the embedding alone in shard 0, the layers in two more (--layers-per-shard is set per

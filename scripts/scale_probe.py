@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from composite.bench.shapes import config_for, write_checkpoint  # noqa: E402
-from composite.manifest import stored_bytes  # noqa: E402
+from composite.manifest_files import stored_bytes  # noqa: E402
 from composite.memory import PeakMemory  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS = 55, 32

@@ -24,7 +24,7 @@ from pathlib import Path
 from composite.bench import llama_cpp, peer
 from composite.bench.workload import DIMS, Dims, prompt_ids, write_workload
 from composite.errors import UserError, exits_cleanly
-from composite.manifest import stored_bytes
+from composite.manifest_files import stored_bytes
 from composite.report import read_stats, render
 from composite.shard_cache import source_fingerprint
 

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from composite import manifest as manifest_schema
-from composite import qnn_host
+from composite import manifest_files, qnn_host
 from composite.errors import UserError, exits_cleanly
 from composite.eval import kld_base
 from composite.eval.metrics import Reference, Scores
@@ -183,7 +183,7 @@ def evaluate(args) -> dict:
         ctx=ctx,
         score=args.score,
         bos_id=manifest.get("bos_id"),
-        tokenizer_sha256=manifest_schema.sha256_file(folder / entry["file"]),
+        tokenizer_sha256=manifest_files.sha256_file(folder / entry["file"]),
         text_sha256=hashlib.sha256(text.encode()).hexdigest(),
         chunks=pieces,
         records=0,

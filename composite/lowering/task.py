@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from composite import manifest as manifest_schema
-from composite import manifest_write
+from composite import manifest_files, manifest_write
 from composite.lowering import lower_shard
 from composite.lowering.calibration import replay_wide
 from composite.lowering.program import LoweredProgram
@@ -79,7 +79,7 @@ def lower_task(work: ShardWork, stream: list | None = None, next_stream: list | 
         described = describe_io(work.io(), lowered.encodings)
         from executorch.runtime import Runtime
 
-        manifest_schema.check_against_program(
+        manifest_files.check_against_program(
             Runtime.get().load_program(lowered.shard.buffer), {"index": work.spec.index, "io": described}
         )
         if work.output is not None:  # written here: the bytes need not travel back

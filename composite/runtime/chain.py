@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from composite import manifest as manifest_schema
-from composite import qnn_host
+from composite import manifest_files, qnn_host
 from composite.errors import UserError
 from composite.model.llama import cache_shapes
 from composite.runtime.encoding import Encoding, convert
@@ -97,7 +97,7 @@ class ShardChain(Chain):
 
         self.folder = Path(folder)
         self.manifest = manifest_schema.read(self.folder)
-        manifest_schema.check_files(self.folder, self.manifest, verify_sha256=verify)
+        manifest_files.check_files(self.folder, self.manifest, verify_sha256=verify)
         shards = self.manifest["shards"]
         shared = weight_shared_shards(self.manifest)
         if shared:
@@ -124,7 +124,7 @@ class ShardChain(Chain):
             except (RuntimeError, ValueError) as e:
                 raise UserError(f"shard {shard['index']}: ExecuTorch cannot load {path}: {e}") from None
             try:
-                manifest_schema.check_against_program(program, shard)
+                manifest_files.check_against_program(program, shard)
             except RuntimeError as e:
                 raise UserError(str(e)) from None
             try:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from composite import shard_cache
-from composite.manifest import sha256_file
+from composite.manifest_files import sha256_file
 from composite.manifest_write import versions
 
 
