@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 from composite import chat_template, config_flags, manifest_write, qnn_host, shard_cache, spill_fill, staging
-from composite.config import QNN_PRECISIONS, ROTATIONS, ExportConfig, Placement, check_group_sizes
+from composite.config import ROTATIONS, ExportConfig, Placement, check_group_sizes
 from composite.errors import Failure, UserError, exits_cleanly
 from composite.executor import Done, JobFailed
 from composite.executor.fork import ForkedCall
@@ -41,6 +41,7 @@ from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, 
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes, rope_inv_freq
 from composite.model.loaded import LoadedModel
+from composite.placement_options import QNN_PRECISIONS
 from composite.shard_cache import ShardCache
 from composite.split.htp_limits import check_placement, layer_capacity
 from composite.split.plan import ShardSpec, auto_layer_counts, plan_shards

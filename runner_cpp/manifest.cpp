@@ -297,6 +297,32 @@ ShardInfo parse_shard(const json& s, size_t i, size_t count, int expected_layer,
 
 }  // namespace
 
+// The model's dimensions the runner reads, and its optional "rope" entry (composite/manifest.py's
+// _model_dims checks the same).
+static void parse_model(const json& j, const std::string& where, Manifest* m) {
+  const json& model = require(j, "model", where);
+  m->dim = require_int(model, "dim", where + " model");
+  m->n_layers = require_int(model, "n_layers", where + " model");
+  m->n_heads = require_int(model, "n_heads", where + " model");
+  m->n_kv_heads = require_int(model, "n_kv_heads", where + " model");
+  m->head_dim = require_int(model, "head_dim", where + " model");
+  m->vocab_size = require_int(model, "vocab_size", where + " model");
+  if (j.contains("rope") && !j["rope"].is_null()) {
+    const json& rope = j["rope"];
+    const json& freqs = require(rope, "inv_freq", where + " rope");
+    if (rope.value("convention", json()) != "rotate-half" || !freqs.is_array() ||
+        freqs.size() * 2 != static_cast<size_t>(m->head_dim)) {
+      throw RunnerError(where + ": rope must be rotate-half with head_dim / 2 inv_freq numbers");
+    }
+    for (const json& f : freqs) {
+      if (!f.is_number() || !std::isfinite(f.get<double>())) {
+        throw RunnerError(where + ": rope inv_freq must hold finite numbers");
+      }
+      m->rope_inv_freq.push_back(f.get<float>());
+    }
+  }
+}
+
 Manifest parse_manifest(const std::string& text, const std::string& folder) {
   const std::string where = folder + "/manifest.json";
   json j;
@@ -317,27 +343,7 @@ Manifest parse_manifest(const std::string& text, const std::string& folder) {
     Manifest m;
     m.folder = folder;
     require(j, "export_id", where);  // the runner matches files by size and sha256, not by this id
-    const json& model = require(j, "model", where);
-    m.dim = require_int(model, "dim", where + " model");
-    m.n_layers = require_int(model, "n_layers", where + " model");
-    m.n_heads = require_int(model, "n_heads", where + " model");
-    m.n_kv_heads = require_int(model, "n_kv_heads", where + " model");
-    m.head_dim = require_int(model, "head_dim", where + " model");
-    m.vocab_size = require_int(model, "vocab_size", where + " model");
-    if (j.contains("rope") && !j["rope"].is_null()) {
-      const json& rope = j["rope"];
-      const json& freqs = require(rope, "inv_freq", where + " rope");
-      if (rope.value("convention", json()) != "rotate-half" || !freqs.is_array() ||
-          freqs.size() * 2 != static_cast<size_t>(m.head_dim)) {
-        throw RunnerError(where + ": rope must be rotate-half with head_dim / 2 inv_freq numbers");
-      }
-      for (const json& f : freqs) {
-        if (!f.is_number() || !std::isfinite(f.get<double>())) {
-          throw RunnerError(where + ": rope inv_freq must hold finite numbers");
-        }
-        m.rope_inv_freq.push_back(f.get<float>());
-      }
-    }
+    parse_model(j, where, &m);
     m.max_seq_len = require_int(j, "max_seq_len", where);
     if (m.max_seq_len < 2 || m.vocab_size < 1 || m.n_layers < 0) {
       throw RunnerError(where + ": max_seq_len, vocab_size or n_layers is out of range");

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 from composite.bench.workload import DIMS, write_workload
-from composite.config import DEFAULT_OPTIONS, build_config
+from composite.config import build_config
 from composite.export import run_export
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import quantize_linears, xnnpack_form
 from composite.manifest import method_widths
 from composite.manifest_files import stored_bytes
 from composite.model.checkpoint import load_checkpoint
+from composite.placement_options import DEFAULT_OPTIONS
 from composite.runtime.chain import ShardChain, eager_chain
 from composite.runtime.generate import generate
 from composite.runtime.sampler import Sampler

@@ -330,9 +330,9 @@ def test_qnn_export_and_runners_show_only_our_own_lines(qnn_ready, workdir, prec
 def tiny_htp_graph(precision: str = "16a4w"):
     """The tiny default's middle shard (of 3) in HTP form, traced for a 4-position prefill, with
     example inputs and the QNN export options of `precision`."""
-    from composite.config import DEFAULT_OPTIONS
     from composite.lowering.qnn.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
     from composite.model.default import load_default
+    from composite.placement_options import DEFAULT_OPTIONS
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule, shard_io
 
@@ -454,11 +454,11 @@ def test_the_tuners_head_on_many_rows_is_the_decode_graph_row_by_row(qnn_ready, 
     a matmul over more rows: an element now and then one step away, > 60 dB)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    from composite.config import DEFAULT_OPTIONS
     from composite.lowering.calibration import sqnr_db
     from composite.lowering.qnn.shard import QnnShardLowering
     from composite.manifest import DECODE
     from composite.model.default import load_default
+    from composite.placement_options import DEFAULT_OPTIONS
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule
 
@@ -504,10 +504,10 @@ def test_a_weight_shared_shard_compiles_without_its_float_weights_and_measures_i
 
     from executorch.runtime import Runtime
 
-    from composite.config import DEFAULT_OPTIONS
     from composite.lowering.qnn.shard import QnnShardLowering
     from composite.manifest import DECODE, PREFILL
     from composite.model.default import load_default
+    from composite.placement_options import DEFAULT_OPTIONS
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule, shard_io
 
@@ -583,11 +583,11 @@ def test_qnn_compiles_with_the_weights_on_disk(qnn_ready, tmp_path):
     from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
     from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
 
-    from composite.config import DEFAULT_OPTIONS
     from composite.executor.fork import ForkedCall
     from composite.lowering.qnn.pte import qnn_backend_modules
     from composite.lowering.qnn.shard import compile_spec
     from composite.lowering.upstream_patches import lean_preprocess
+    from composite.placement_options import DEFAULT_OPTIONS
 
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 128).eval()  # its weight 128 KB, its bias 512 bytes
@@ -633,11 +633,11 @@ def lpbq_shard_against_its_graph(monkeypatch) -> tuple[float, float]:
     on the decode and prefill methods' held-out inputs)."""
     from executorch.runtime import Runtime
 
-    from composite.config import DEFAULT_OPTIONS
     from composite.lowering.calibration import sqnr_db
     from composite.lowering.qnn.shard import QnnShardLowering
     from composite.manifest import DECODE, PREFILL
     from composite.model.default import load_default
+    from composite.placement_options import DEFAULT_OPTIONS
     from composite.split.plan import plan_shards
     from composite.split.shard import ShardModule, shard_io
 

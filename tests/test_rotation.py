@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composite.config import DEFAULT_OPTIONS, build_config
+from composite.config import build_config
 from composite.errors import UserError
 from composite.lowering.xnnpack import quantize_linears
 from composite.model.default import default_model
 from composite.model.rotation import hidden_rotation, rotate, rotate_residual, rotation_matrix
+from composite.placement_options import DEFAULT_OPTIONS
 from conftest import run_cli
 
 TOKENS = torch.tensor([[1, 17, 230, 45, 99, 301, 7, 12, 400, 5, 88, 120, 3, 64, 250, 11]])

@@ -159,8 +159,8 @@ def test_shared_table_logits_are_the_eager_models_with_the_table_quantized_the_s
     """The eager model quantized by torchao as the export's shards are (8da4w layers, an 8da8w
     head), its lookup the head's int8 rows times their scales: the export's greedy tokens, and its
     logits within XNNPACK's dynamic int8 activations' rounding against torchao's emulation."""
-    from composite.config import DEFAULT_OPTIONS
     from composite.lowering.xnnpack import quantize_linears
+    from composite.placement_options import DEFAULT_OPTIONS
 
     three, _ = shared_exports
     model = load_checkpoint(str(small_checkpoint), None).model.eval()

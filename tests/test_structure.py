@@ -1,5 +1,5 @@
 """The code's shape, checked: the exporter reads top to bottom (export.py at most 350 lines, tune()
-a list of named steps), no module of the package over 500 lines, no function longer than 110 lines
+a list of named steps), no module of the package over 450 lines, no function longer than 90 lines
 (Python and C++), no import cycle, and no module importing from a layer above its own."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "composite"
-MAX_FUNCTION_LINES = 110
-MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 90
+MAX_MODULE_LINES = 450
 
 # Each top-level module or subpackage of composite, by layer: a module imports only from its own
 # layer or lower ones, wherever the import statement is (an import inside a function is the same
 # dependency, paid later).
 LAYERS = {
-    0: {"composite", "errors", "quiet", "memory", "manifest", "manifest_files", "manifest_write", "config", "config_flags", "tokenizer", "qnn_host", "qnn_soc", "report", "bundle",
+    0: {"composite", "errors", "quiet", "memory", "manifest", "manifest_files", "manifest_write", "config", "placement_options", "config_flags", "tokenizer", "qnn_host", "qnn_soc", "report", "bundle",
         "ops", "staging", "chat_template"},
     1: {"model", "executor"},
     2: {"split"},
@@ -141,16 +141,16 @@ def test_the_exporter_reads_top_to_bottom():
     assert tune[2] <= 60, f"composite.tune's tune() has {tune[2]} lines: name its steps"
 
 
-def test_no_module_is_longer_than_500_lines():
+def test_no_module_is_longer_than_450_lines():
     long = [
         f"{path.relative_to(REPO)} ({n} lines)"
         for path in sorted(PACKAGE.rglob("*.py"))
         if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
-    assert not long, "modules over 500 lines: split them by concern\n" + "\n".join(long)
+    assert not long, "modules over 450 lines: split them by concern\n" + "\n".join(long)
 
 
-def test_no_function_is_longer_than_110_lines():
+def test_no_function_is_longer_than_90_lines():
     long = [
         f"{path.relative_to(REPO)}:{line} {name} ({n} lines)"
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -164,7 +164,7 @@ def test_no_function_is_longer_than_110_lines():
         for name, line, n in cpp_functions(path)
         if n > MAX_FUNCTION_LINES
     ]
-    assert not long, "functions over 110 lines:\n" + "\n".join(long)
+    assert not long, "functions over 90 lines:\n" + "\n".join(long)
 
 
 def test_the_cpp_counter_finds_functions_and_their_length(tmp_path):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from composite.config import DEFAULT_OPTIONS
 from composite.lowering.embedding import QuantizedEmbedding
 from composite.lowering.xnnpack import half_form, quantize_linears, xnnpack_form
 from composite.manifest import DECODE, PREFILL, method_widths
 from composite.model.default import corpus_text, load_default
 from composite.model.rotation import rotate
+from composite.placement_options import DEFAULT_OPTIONS
 from composite.runtime.chain import ShardChain, eager_chain
 from composite.runtime.generate import generate
 from composite.runtime.sampler import Sampler

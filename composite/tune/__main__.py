@@ -38,11 +38,12 @@ import signal
 from pathlib import Path
 
 from composite import qnn_host
-from composite.config import DEFAULT_OPTIONS, QNN_BLOCK_SIZES, ROTATIONS
+from composite.config import ROTATIONS
 from composite.errors import UserError, exits_cleanly
 from composite.eval.scoring import SCORE_MODES
 from composite.executor.fork import ForkedCall
 from composite.executor.ray_cluster import from_ray_flag
+from composite.placement_options import DEFAULT_OPTIONS, QNN_BLOCK_SIZES
 from composite.tune.candidates import DEFAULT_CANDIDATES, DEFAULT_EMBEDDING, parse_candidates
 from composite.tune.output import kld_text
 from composite.tune.search import thinned

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from composite.config import DEFAULT_OPTIONS, QNN_PRECISIONS, ExportConfig
+from composite.config import ExportConfig
 from composite.errors import UserError
 from composite.lowering import shared_table
 from composite.lowering.qnn.quantizer import rotation_precision
 from composite.model.llama import ModelArgs
 from composite.model.rotation import hidden_rotation_sizes
+from composite.placement_options import DEFAULT_OPTIONS, QNN_PRECISIONS
 
 EMBEDDING_PLACEMENT = {"backend": "xnnpack"}  # a tuned recipe's lookup shard: the CPU's
 DEFAULT_CANDIDATES = "qnn:fp16,qnn:16a8w,qnn:16a4w_block,qnn:16a4w,qnn:8a8w,xnnpack:fp32,xnnpack:8da8w,xnnpack:8da4w"

@@ -33,7 +33,7 @@ import time
 import torch
 from torch import nn
 
-from composite.config import DEFAULT_OPTIONS, Placement
+from composite.config import Placement
 from composite.eval.scoring import chunks as cut_chunks
 from composite.eval.scoring import eval_tokens, first_scored
 from composite.lowering.calibration import calibrate, effective_options
@@ -42,6 +42,7 @@ from composite.lowering.qnn.htp_graph import htp_form
 from composite.lowering.xnnpack import quantize_linears
 from composite.manifest import DECODE, MASK_HIDDEN, PREFILL, method_widths
 from composite.model.llama import cache_shapes, rope_cos_sin
+from composite.placement_options import DEFAULT_OPTIONS
 from composite.runtime.kv_cache import AttentionMask, KVCache
 from composite.runtime.shard_call import call_inputs, write_new_entries
 from composite.split.plan import plan_shards

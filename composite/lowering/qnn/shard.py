@@ -25,15 +25,15 @@ from composite import qnn_host
 from composite.errors import UserError
 from composite.executor.fork import ForkedCall
 from composite.lowering import native_io
-from composite.lowering.calibration import ShardReplay, has_block_weights, sqnr_db
+from composite.lowering.calibration import ShardReplay, has_block_weights
 from composite.lowering.program import BackendLowering, LoweredProgram, finish
 from composite.lowering.qnn import weight_rounding
+from composite.lowering.qnn.held_out import held_out_pass, measure
 from composite.lowering.qnn.htp_graph import QUANTIZED_MASK_FLOOR, htp_form
 from composite.lowering.qnn.pte import content_signatures, context_bytes, own_spill_fill
 from composite.lowering.qnn.quantizer import quantizer_for
 from composite.lowering.upstream_patches import forget_cached_modules, lean_preprocess, linear_time_observers
 from composite.lowering.work import ShardWork, load_shard
-from composite.runtime.encoding import convert
 
 
 def compile_spec(options: dict):
@@ -403,19 +403,6 @@ def lower_qnn_shard(work: ShardWork, stages: dict[str, float]) -> BackendLowerin
     return BackendLowering(lowered, job.io_encodings, facts)
 
 
-def held_out_pass(module, calls: list, stream: list | None, methods: dict, max_seq_len: int) -> tuple[dict, dict]:
-    """(method -> the shard's inputs on its held-out call, method -> the float shard's outputs
-    there). The held-out calls start a sequence of their own, so they need no other call."""
-    shard = ShardReplay(module, methods, max_seq_len)
-    inputs_by_method, outputs_by_method = {}, {}
-    for i, call in enumerate(calls):
-        if call.held_out:
-            inputs = shard.inputs(call, None if stream is None else stream[i])
-            outputs_by_method.setdefault(call.method, [t.clone() for t in shard.run(call, inputs)])
-            inputs_by_method.setdefault(call.method, tuple(t.clone() for t in inputs))
-    return inputs_by_method, outputs_by_method
-
-
 def stream_ranges(calls: list, stream: list) -> dict[str, tuple[float, float]]:
     """method -> (min, max) of a float stream over the calibration calls (not the held-out ones),
     a decode step's value standing for its method's."""
@@ -425,29 +412,3 @@ def stream_ranges(calls: list, stream: list) -> dict[str, tuple[float, float]]:
             low, high = ranges.get(call.method, (float("inf"), float("-inf")))
             ranges[call.method] = (min(low, float(x.min())), max(high, float(x.max())))
     return ranges
-
-
-def measure(
-    buffer: bytes, held_out: dict[str, tuple], expected: dict[str, list], names: dict[str, tuple], io_encodings: dict
-) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """(method -> output name -> SQNR in dB, method -> SQNR of the main output's worst token)
-    of the lowered shard (its .pte bytes) against the float shard's outputs on the held-out
-    inputs, native I/O converted as the runners convert it. A trained model's residual stream
-    holds single values of ~25,000 on its first token, which dominate a whole tensor's SQNR: the
-    worst token shows the rest."""
-    # Loaded here, not on import: the CLIs that import this module answer bad flags in a second.
-    from executorch.runtime import Runtime
-
-    program = Runtime.get().load_program(buffer)
-    result, worst = {}, {}
-    for method in [m for m in names if m in program.method_names]:  # as the manifest lists them
-        inputs = held_out[method]
-        encodings = io_encodings.get(method) or {}
-        input_names, output_names = names[method]
-        fed = [convert(t, None, encodings.get(("in", name))) for name, t in zip(input_names, inputs)]
-        actual = program.load_method(method).execute(fed)
-        actual = [convert(t, encodings.get(("out", name)), None) for name, t in zip(output_names, actual)]
-        result[method] = {name: round(sqnr_db(e, a), 2) for name, e, a in zip(output_names, expected[method], actual)}
-        main_expected, main_actual = expected[method][0][0], actual[0][0]  # [T, dim or vocab]
-        worst[method] = round(min(sqnr_db(e, a) for e, a in zip(main_expected, main_actual)), 2)
-    return result, worst
