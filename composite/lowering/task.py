@@ -19,11 +19,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from composite import manifest as manifest_schema
 from composite import manifest_files, manifest_write
@@ -32,6 +29,7 @@ from composite.lowering.calibration import replay_wide
 from composite.lowering.program import LoweredProgram
 from composite.lowering.upstream_patches import provenance_shared
 from composite.lowering.work import ShardWork, load_shard
+from composite.runtime.threads import one_thread
 
 
 @dataclass
@@ -44,16 +42,6 @@ class ShardTaskResult:
     stages: dict[str, float]  # where the task's time went: read, lower, serialize, calibrate, measure
     where: str  # host:pid of the process that ran it
     facts: dict = field(default_factory=dict)  # more for its manifest entry (BackendLowering.facts)
-
-
-@contextmanager
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def here() -> str:

@@ -21,6 +21,7 @@ import time
 import torch
 
 from composite.errors import UserError
+from composite.runtime.threads import one_thread
 
 DEFAULT_KEEP = 4  # StreamingLLM's sink count
 
@@ -87,14 +88,8 @@ class ContextShift:
             )
         started = time.perf_counter()
         cos, sin = rotation_by(self.inv_freq, -evict)
-        # On one thread: torch's pool would wait for the cores ExecuTorch's own threadpool spins
-        # on, and a shift of small tensors gains nothing from more (docs/quality.md).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():  # ExecuTorch's threadpool holds the cores (docs/quality.md)
             cache.shift(self.keep, evict, used, cos, sin)
-        finally:
-            torch.set_num_threads(threads)
         self.seconds += time.perf_counter() - started
         self.shifts += 1
         return used - evict

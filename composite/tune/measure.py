@@ -8,7 +8,7 @@ import sys
 
 from composite.executor import Job
 from composite.executor.fork import ForkedCall, split_work
-from composite.lowering.task import one_thread
+from composite.runtime.threads import one_thread
 from composite.tune.cache import ResultCache
 from composite.tune.candidates import Candidate, Group, choice_name
 from composite.tune.output import describe, kld_text
