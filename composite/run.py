@@ -236,7 +236,7 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
         peak_rss_mb=peak_rss_mb(),
         qnn_simulator=has_qnn and not args.reference and platform.machine() == "x86_64",
         turns=[turn.stats() for turn in conversation.turns],
-        chat_context_shifts=conversation.context_shifts,
+        chat_context_shifts=shift.shifts if shift is not None else 0,  # the whole chat's
     )
     write_stats(args.stats_json, report)
     print(

@@ -224,21 +224,15 @@ nlohmann::json evaluate(TokenChain& chain, const Manifest& manifest, const Token
   const std::string text = read_file(options.text_path, "the evaluation text");
   if (!valid_utf8(text)) throw RunnerError("the evaluation text " + options.text_path + " is not UTF-8");
   if (text.find_first_not_of(" \t\n\r\f\v") == std::string::npos) throw RunnerError("the evaluation text is empty");
-  if (options.stream) {
-    std::vector<int64_t> ids = tokenizer.encode(text, false);
-    if (options.limit_tokens > 0 && ids.size() > static_cast<size_t>(options.limit_tokens)) {
-      ids.resize(options.limit_tokens);
-    }
-    return evaluate_stream(chain, manifest, std::move(ids), shift);
+  std::vector<int64_t> ids = tokenizer.encode(text, false);
+  if (options.limit_tokens > 0 && ids.size() > static_cast<size_t>(options.limit_tokens)) {
+    ids.resize(options.limit_tokens);
   }
+  if (options.stream) return evaluate_stream(chain, manifest, std::move(ids), shift);
   const int ctx = options.ctx ? options.ctx : manifest.max_seq_len;
   if (ctx > manifest.max_seq_len) {
     throw RunnerError("--ctx " + std::to_string(ctx) + " is larger than this export's max_seq_len " +
                       std::to_string(manifest.max_seq_len));
-  }
-  std::vector<int64_t> ids = tokenizer.encode(text, false);
-  if (options.limit_tokens > 0 && ids.size() > static_cast<size_t>(options.limit_tokens)) {
-    ids.resize(options.limit_tokens);
   }
   const auto chunks = eval_chunks(ids, ctx, manifest.bos_id);
   KldBase base;

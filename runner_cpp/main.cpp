@@ -392,8 +392,7 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
   const bool interactive = isatty(STDIN_FILENO);
   auto is_stop = [&](int64_t t) { return std::count(limits.eos_ids.begin(), limits.eos_ids.end(), t) > 0; };
-  int pos = 0;  // tokens in the cache
-  int shifts = 0;
+  int pos = 0;                   // tokens in the cache
   std::vector<int64_t> carried;  // an answer's last token when it was cut short: sampled, not yet run
   nlohmann::json turns = nlohmann::json::array();
   Generation last;
@@ -426,7 +425,6 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
                      {"prefill_tokens_per_s", last.prefill_tokens_per_s()},
                      {"decode_tokens_per_s", last.decode_tokens_per_s()}});
     pos = last.in_cache;
-    shifts += last.context_shifts;
     carried.clear();
     if (!is_stop(last.tokens.back())) carried.push_back(last.tokens.back());
     if (last.stop_reason == "max_seq_len" || last.stop_reason == "seq_len") {
@@ -441,7 +439,7 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
                turns.size(), pos, last.prefill_tokens_per_s(), last.decode_tokens_per_s(), info.peak_rss_mb);
   nlohmann::json stats = stats_json(last, info);
   stats["turns"] = turns;
-  stats["chat_context_shifts"] = shifts;
+  stats["chat_context_shifts"] = shift ? shift->shifts() : 0;  // the whole chat's
   write_stats(o.stats_json, stats);
 }
 

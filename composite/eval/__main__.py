@@ -149,8 +149,6 @@ def streamed(args, folder: Path, manifest: dict, tokenizer) -> dict:
         raise UserError(f"--stream scores every token through the export's context: drop {', '.join(given)}")
     if args.reference not in (None, "eager"):
         raise UserError("--stream compares with the float model only: --reference eager")
-    if args.limit_tokens is not None and args.limit_tokens < 2:
-        raise UserError(f"--limit-tokens must be at least 2, got {args.limit_tokens}")
     shift = context_shift.from_flags(args, manifest)
     ids = eval_tokens(tokenizer, read_text(args.text), args.limit_tokens)
     reference = reference_model(manifest) if args.reference == "eager" else None
@@ -164,6 +162,8 @@ def evaluate(args) -> dict:
     if not entry:
         raise UserError("this export has no tokenizer, so it cannot read a text")
     tokenizer = Tokenizer(folder / entry["file"], entry["type"])
+    if args.limit_tokens is not None and args.limit_tokens < 2:
+        raise UserError(f"--limit-tokens must be at least 2, got {args.limit_tokens}")
     if args.stream:
         return streamed(args, folder, manifest, tokenizer)
     if args.keep is not None or args.evict is not None or args.no_context_shift:
@@ -171,8 +171,6 @@ def evaluate(args) -> dict:
     ctx = args.ctx or manifest["max_seq_len"]
     if ctx > manifest["max_seq_len"]:
         raise UserError(f"--ctx {ctx} is larger than this export's max_seq_len {manifest['max_seq_len']}")
-    if args.limit_tokens is not None and args.limit_tokens < 2:
-        raise UserError(f"--limit-tokens must be at least 2, got {args.limit_tokens}")
     if args.kld_base_out and not args.reference:
         raise UserError("--kld-base-out writes the reference's probabilities: give --reference too")
     text = read_text(args.text)

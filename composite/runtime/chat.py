@@ -52,7 +52,6 @@ class Turn:
 class Conversation:
     turns: list[Turn] = field(default_factory=list)
     in_cache: int = 0  # tokens the cache holds
-    context_shifts: int = 0
     context_full: str | None = None  # why the chat ended early, said in one line
 
 
@@ -113,7 +112,6 @@ def chat(
             on_turn_end()
         conversation.turns.append(Turn(conversation.in_cache, turn, g))
         conversation.in_cache = g.in_cache
-        conversation.context_shifts += g.context_shifts
         carried = [] if g.tokens[-1] in stops else [g.tokens[-1]]
         if g.stop_reason in ("max_seq_len", "seq_len"):
             conversation.context_full = f"the context is full ({seq_len} tokens): the chat ends here"
