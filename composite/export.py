@@ -16,7 +16,6 @@ if __name__ == "__main__" and "--verbose" not in sys.argv:
     # those libraries load. Importing this module elsewhere changes nothing.
     quiet.silence_library_noise()
 
-import argparse
 import errno
 import os
 import shutil
@@ -26,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from composite import chat_template, config_flags, manifest_write, qnn_host, shard_cache, spill_fill, staging
-from composite.config import ROTATIONS, ExportConfig, Placement, check_group_sizes
+from composite.config import ExportConfig, Placement, check_group_sizes
 from composite.errors import Failure, UserError, exits_cleanly
 from composite.executor import Done, JobFailed
 from composite.executor.fork import ForkedCall
@@ -41,101 +40,10 @@ from composite.memory import PeakMemory, Stopwatch, gb, give_back_freed_memory, 
 from composite.model.checkpoint import load_checkpoint
 from composite.model.llama import cache_shapes, rope_inv_freq
 from composite.model.loaded import LoadedModel
-from composite.placement_options import QNN_PRECISIONS
 from composite.shard_cache import ShardCache
 from composite.split.htp_limits import check_placement, layer_capacity
 from composite.split.plan import ShardSpec, auto_layer_counts, plan_shards
 from composite.tokenizer import Tokenizer, generation_stop_ids, prompt_bos_id, tokenizer_for_model
-
-
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m composite.export", description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="YAML config (flags below override it)")
-    p.add_argument("--shards", type=int, help="number of shards (default 1)")
-    p.add_argument("--placement", help="backend per shard, comma separated (xnnpack,portable,qnn), or one for all")
-    p.add_argument("--layers-per-shard", help="explicit decoder layers per shard, comma separated, e.g. 0,3,3,0")
-    p.add_argument(
-        "--checkpoint",
-        help="Meta .pth/.pt (+ params.json), Hugging Face folder, or llama GGUF file; none = embedded default",
-    )
-    p.add_argument("--params", help="params.json for a Meta checkpoint")
-    p.add_argument("--tokenizer", help="tokenizer.model (SentencePiece or tiktoken) or tokenizer.json")
-    p.add_argument(
-        "--chat-template",
-        help="Jinja chat template file for --chat, instead of the tokenizer's own (tokenizer_config.json, "
-        "chat_template.jinja, GGUF tokenizer.chat_template)",
-    )
-    p.add_argument("--max-seq-len", type=int, help="KV cache length (default 512)")
-    p.add_argument("--prefill-len", type=int, help="tokens per prefill call (default 64)")
-    p.add_argument(
-        "--quantize",
-        choices=["none", "8da4w", "8da8w"],
-        help="XNNPACK linears: 8-bit dynamic activations with int4 grouped (8da4w) or int8 per-channel (8da8w) weights",
-    )
-    p.add_argument("--group-size", type=int, help="8da4w group size (default 32)")
-    p.add_argument(
-        "--head-quantize",
-        choices=["8da8w", "same", "none"],
-        help="a quantized shard's head: 8-bit per-channel weights (8da8w, the default), as the other linears "
-        "(same), or float (none)",
-    )
-    p.add_argument(
-        "--weight-mapping",
-        choices=["symmetric_no_clipping_err", "symmetric"],
-        help="how quantized weights get their scales: no weight clipped (the default), or torchao's symmetric",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["fp32", "fp16"],
-        help="XNNPACK shards' float dtype: weights, activations, hidden state and KV cache (default fp32)",
-    )
-    p.add_argument(
-        "--attention",
-        choices=["graph", "kernel"],
-        help="XNNPACK decode attention: composite::attention over the valid slots (default), or masked matmuls",
-    )
-    p.add_argument(
-        "--embedding-quantize",
-        help="quantize the embedding table: BITS,GROUP, e.g. 8,0 (8-bit, a scale per row) or 4,32 (default none)",
-    )
-    p.add_argument(
-        "--rotate",
-        choices=["auto", *ROTATIONS],
-        help="rotate the residual stream (hadamard), and each feed-forward's hidden activation (hadamard-ffn): "
-        "the same model, easier to quantize; auto (default): rotated where every quantized weight is 8-bit",
-    )
-    p.add_argument(
-        "--qnn-precision",
-        choices=QNN_PRECISIONS,
-        help="QNN shards' precision, where a shard's own entry does not set one (default fp16)",
-    )
-    p.add_argument(
-        "--no-weight-sharing",
-        action="store_true",
-        help="QNN shards keep a copy of their weights per method: the host twin, which the x86 HTP simulator loads",
-    )
-    p.add_argument(
-        "--max-memory",
-        type=float,
-        metavar="GB",
-        help="what the lowering jobs may hold at once (default: 90%% of the memory available at the start)",
-    )
-    p.add_argument(
-        "--ray",
-        nargs="?",
-        const="",
-        metavar="ADDRESS",
-        help="lower the shards on a Ray cluster (ADDRESS, else RAY_ADDRESS, else the local one): the same bytes",
-    )
-    p.add_argument("--output", help="artifacts folder (default ./artifacts)")
-    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON: stages, peaks, each shard's job")
-    p.add_argument(
-        "--no-cache",
-        action="store_true",
-        help="lower every shard, store none (default: ~/.cache/composite/shards, or COMPOSITE_CACHE; =off is this)",
-    )
-    p.add_argument("--verbose", action="store_true", help="also show the native libraries' routine log lines")
-    return p.parse_args(argv)
 
 
 def lower_all(
@@ -217,7 +125,7 @@ def build_manifest(
         model=args.to_dict(),
         source={"kind": loaded.kind, "path": loaded.path, "rotation": config.rotation()},
         max_seq_len=config.max_seq_len,
-        prefill_len=config.prefill_len,
+        methods=config.methods(),
         cache_shapes=cache_shapes(args, config.max_seq_len),
         rope_inv_freq=rope_inv_freq(args).tolist(),
         tokenizer=tokenizer_entry,
@@ -254,7 +162,7 @@ def run_export(
             with watch.stage("open checkpoint"):
                 loaded = load_checkpoint(config.checkpoint, config.params)
             specs = plan(loaded.args, config, placements)
-            htp = check_placement(loaded.args, specs, placements, config.max_seq_len, config.prefill_len)
+            htp = check_placement(loaded.args, specs, placements, config.max_seq_len, config.methods())
             check_group_sizes(loaded.args, placements)
             if config.embedding_bits_and_group() is not None:
                 embedding.check(loaded.args.dim, *config.embedding_bits_and_group())
@@ -301,7 +209,7 @@ def plan(args, config: ExportConfig, placements: list[Placement]) -> list[ShardS
         return plan_shards(args, config.shards, config.layers_per_shard)
     n = config.shards
     capacity = [
-        layer_capacity(args, ShardSpec(i, 0, 0, i == 0, i == n - 1), p.options, config.max_seq_len, config.prefill_len)
+        layer_capacity(args, ShardSpec(i, 0, 0, i == 0, i == n - 1), p.options, config.max_seq_len, config.methods())
         if p.backend == "qnn"
         else None
         for i, p in enumerate(placements)
@@ -323,7 +231,7 @@ def terminated(signum: int, cached: bool) -> None:
 
 @exits_cleanly
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = config_flags.parse_args(argv)
     cache = None if args.no_cache else ShardCache.from_environment()
     signal.signal(signal.SIGTERM, lambda signum, _frame: terminated(signum, cached=cache is not None))
     config = config_flags.config_from_flags(args)

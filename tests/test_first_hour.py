@@ -14,7 +14,7 @@ import pytest
 
 from composite.config import build_config, check_group_sizes
 from composite.config_flags import config_from_flags
-from composite.export import parse_args as parse_export_args
+from composite.config_flags import parse_args as parse_export_args
 from composite.lowering.xnnpack import quantize_linears
 from composite.model.default import load_default
 from composite.split.plan import plan_shards
