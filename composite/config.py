@@ -6,6 +6,9 @@ YAML keys (all optional):
   chat_template                   a Jinja chat template file, instead of the tokenizer's own
   max_seq_len                     KV cache length (positions), default 512
   prefill_len                     tokens per call of each shard's prefill method, default 64
+  verify_len                      tokens per call of each shard's verify method, default 8 (0:
+                                  none): guesses checked in one call (--lookahead,
+                                  --prompt-lookup in the runners)
   shards                          number of shards, default 1
   layers_per_shard                explicit decoder-layer count per shard, or auto: the QNN shards
                                   take as many layers as fit qnn.max_context_mb, spread evenly,
@@ -52,6 +55,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from composite.errors import UserError
+from composite.manifest import method_widths
 from composite.placement_options import (
     BACKEND_OPTION_KEYS,
     BACKENDS,
@@ -71,6 +75,7 @@ TOP_LEVEL_KEYS = (
     "chat_template",
     "max_seq_len",
     "prefill_len",
+    "verify_len",
     "shards",
     "layers_per_shard",
     "placement",
@@ -110,6 +115,7 @@ class ExportConfig:
     chat_template: str | None = None
     max_seq_len: int = 512
     prefill_len: int = 64
+    verify_len: int = 8
     shards: int = 1
     layers_per_shard: list[int] | str | None = None  # a count per shard, "auto", or None (balanced)
     placement: object = "xnnpack"  # as written; resolved by `placements()`
@@ -119,6 +125,10 @@ class ExportConfig:
     rotate: str = "auto"  # as written; resolved by `rotation()`
     max_memory_gb: float | None = None
     output: str = "artifacts"
+
+    def methods(self) -> dict[str, int]:
+        """Every shard's methods and their widths (manifest.method_widths)."""
+        return method_widths(self.prefill_len, self.verify_len)
 
     def rotation(self) -> str:
         """The rotation (one of ROTATIONS) with auto resolved by auto_rotation, from the quantized
@@ -265,6 +275,11 @@ def build_config(yaml_path: str | None, overrides: dict) -> ExportConfig:
     config.prefill_len = positive_int(config.prefill_len, "prefill_len")
     if config.prefill_len > config.max_seq_len:
         raise UserError(f"prefill_len {config.prefill_len} exceeds max_seq_len {config.max_seq_len}")
+    config.verify_len = positive_int(config.verify_len, "verify_len", 0)
+    if config.verify_len == 1 or config.verify_len > config.max_seq_len:
+        raise UserError(
+            f"verify_len {config.verify_len} must be 0 (no verify method) or 2 .. max_seq_len {config.max_seq_len}"
+        )
     if (
         config.layers_per_shard is not None
         and config.layers_per_shard != "auto"

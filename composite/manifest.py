@@ -18,7 +18,8 @@ tools (the runners ignore it). Every key is written by every export unless marke
                                  # feed-forward's hidden activation; composite/model/rotation.py);
                                  # absent in older exports: none
   "max_seq_len": int,            # cache slots; positions 0 .. max_seq_len-1          [R]
-  "methods": {"decode": 1, "prefill": int},   # method name -> tokens per call       [R]
+  "methods": {"decode": 1, "prefill": int, "verify": int},   # name -> tokens per call [R]
+                                 # verify (optional): guesses checked in one call (runtime/speculate.py)
   "kv_cache": {                                                                     [R: dtype, shapes]
      "dtype": "float32",         # of the float layers; a quantized QNN shard's layers keep their
                                  # cache in the dtype and quantization of its k_cache/v_cache inputs
@@ -90,8 +91,10 @@ tools (the runners ignore it). Every key is written by every export unless marke
 }
 Input names: "tokens" [1,T] int64 | "hidden" [1,T,dim]; then, for shards with layers, "input_pos"
 [T] int64, "mask", and "k_cache.L", "v_cache.L" per layer L; the last shard's multi-token methods
-end with "logits_index" [1] int64 (the row of the last valid token). Outputs: "hidden" [1,T,dim] |
-"logits" [1,1,vocab] (the last token's only), then "k_new.L", "v_new.L" per layer.
+end with "logits_index" [1] int64 (the row of the last valid token), but for "verify". Outputs:
+"hidden" [1,T,dim] | "logits" [1,1,vocab] (the last token's only; "verify": [1,T,vocab], every
+row's), then "k_new.L", "v_new.L" per layer. Each of the T tokens sits at its own input_pos and sees
+what its mask row shows: "verify" calls carry a tree of guesses, each row seeing its ancestors.
 """
 
 from __future__ import annotations
@@ -107,12 +110,23 @@ VERSION = 2
 FILENAME = "manifest.json"
 FLOAT32_MAX = 3.4028234663852886e38
 MASK_HIDDEN = -30000.0  # finite so fp16 backends represent it; exp() of it is 0 in fp32
-DECODE, PREFILL = "decode", "prefill"
+DECODE, PREFILL, VERIFY = "decode", "prefill", "verify"
 
 
-def method_widths(prefill_len: int) -> dict[str, int]:
-    """Every shard's methods and the tokens each takes per call: the one place that says so."""
-    return {DECODE: 1, PREFILL: prefill_len}
+def method_widths(prefill_len: int, verify_len: int = 0) -> dict[str, int]:
+    """Every shard's methods and the tokens each takes per call: the one place that says so.
+    verify_len 0: no verify method."""
+    return {DECODE: 1, PREFILL: prefill_len} | ({VERIFY: verify_len} if verify_len else {})
+
+
+def every_row_logits(method: str) -> bool:
+    """The head shard's `method` gives logits for every row of the call (it takes no logits_index)."""
+    return method == VERIFY
+
+
+def takes_logits_index(method: str, width: int) -> bool:
+    """The head shard's `method` takes logits_index: the row whose logits it gives."""
+    return width > 1 and not every_row_logits(method)
 
 
 CHAT_TRIM_ROLES = ("system", "user")

@@ -13,7 +13,6 @@ from composite.manifest import (
     MASK_HIDDEN,
     VERSION,
     dtype_name,
-    method_widths,
 )
 from composite.manifest_files import sha256_file
 
@@ -80,7 +79,7 @@ def document(
     model: dict,
     source: dict,
     max_seq_len: int,
-    prefill_len: int,
+    methods: dict[str, int],
     cache_shapes: tuple,
     rope_inv_freq: list[float],
     tokenizer: dict | None,
@@ -100,7 +99,7 @@ def document(
         "model": model,
         "source": source,
         "max_seq_len": max_seq_len,
-        "methods": method_widths(prefill_len),
+        "methods": dict(methods),
         "kv_cache": {
             "dtype": "float32",
             "k_shape": list(k_shape),

@@ -19,7 +19,7 @@ from pathlib import Path
 from composite import chat_template, qnn_host
 from composite import manifest as manifest_schema
 from composite.errors import UserError, exits_cleanly
-from composite.runtime import context_shift
+from composite.runtime import context_shift, speculate
 from composite.runtime.chain import ShardChain
 from composite.runtime.chat import chat
 from composite.runtime.generate import (
@@ -77,6 +77,7 @@ def parse_args(argv):
         help="stop at N tokens in all, prompt included (default: no limit; with --no-context-shift, max_seq_len)",
     )
     context_shift.add_flags(p)
+    speculate.add_flags(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", "--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     p.add_argument("--seed", type=int, help="sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)")
@@ -189,6 +190,9 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
     seed = fresh_seed() if args.seed is None else args.seed
     if args.temperature > 0 and args.seed is None:
         print(f"seed {seed} (--seed {seed} repeats this run)", file=sys.stderr)
+    guesser = speculate.from_flags(args, manifest)
+    if guesser is not None and args.reference:
+        raise UserError("--reference runs the float model a token at a time: drop --prompt-lookup/--lookahead")
     chain = reference_chain(manifest) if args.reference else ShardChain(folder, verify=args.verify)
     streams = []
 
@@ -221,6 +225,7 @@ def chat_and_report(args, folder: Path, manifest: dict) -> None:
         on_turn_start=start_turn,
         on_turn_end=end_turn,
         shift=shift,
+        guesser=guesser,
     )
     if conversation.context_full:
         print(conversation.context_full, file=sys.stderr)
@@ -264,6 +269,9 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
     sampler = Sampler(args.temperature, args.top_p, seed)
     eos = tuple(manifest["eos_ids"])
     shift = context_shift.from_flags(args, manifest)
+    guesser = speculate.from_flags(args, manifest)
+    if guesser is not None and args.reference:
+        raise UserError("--reference runs the float model a token at a time: drop --prompt-lookup/--lookahead")
     stream = TextStream(tokenizer, prompt[-1:]) if tokenizer is not None and not args.json else None
     load_seconds = 0.0
     if args.reference:
@@ -281,7 +289,15 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
         chain = ShardChain(folder, verify=args.verify)
         load_seconds = chain.load_seconds
         generation = generate(
-            chain, prompt, args.max_new_tokens, sampler, eos, on_token=stream, seq_len=args.seq_len, shift=shift
+            chain,
+            prompt,
+            args.max_new_tokens,
+            sampler,
+            eos,
+            on_token=stream,
+            seq_len=args.seq_len,
+            shift=shift,
+            guesser=guesser,
         )
     has_qnn = any(shard["placement"]["backend"] == "qnn" for shard in manifest["shards"])
     report = stats(
@@ -308,7 +324,8 @@ def generate_and_report(args, folder: Path, manifest: dict) -> None:
         print(f"stopped: reached max_seq_len {manifest['max_seq_len']}", file=sys.stderr)
     print(
         f"prompt {len(prompt)} tokens, generated {len(generation.tokens)} ({generation.stop_reason}); "
-        f"prefill {generation.prefill_tokens_per_s:.1f} tok/s, decode {generation.decode_tokens_per_s:.1f} tok/s, "
+        f"prefill {generation.prefill_tokens_per_s:.1f} tok/s, decode {generation.decode_tokens_per_s:.1f} tok/s"
+        f"{f' ({generation.tokens_per_call:.2f} tokens per call)' if guesser is not None else ''}, "
         f"first token {generation.first_token_seconds * 1e3:.1f} ms",
         file=sys.stderr,
     )

@@ -55,9 +55,25 @@ const float* run_call(TokenChain& chain, ContextShift* shift, const std::string&
 
 }  // namespace
 
+namespace {
+
+// The tree of the next verify call, cut to what can still be used: no deeper than the tokens left
+// to generate and, without a context shift, than the cache. False where nothing is left to check
+// (a decode call instead). composite/runtime/generate.py's guesses decides the same.
+bool guesses(Guesser* guesser, const std::vector<int64_t>& history, int pos, int generated, const Limits& limits,
+             const ContextShift* shift, Tree* tree) {
+  if (!guesser || !guesser->tree(history, tree)) return false;
+  int depth = limits.max_new_tokens - generated - 1;
+  if (!shift) depth = std::min(depth, limits.max_seq_len - 1 - pos);
+  if (tree->max_depth() > depth) *tree = tree->cut(depth);
+  return tree->tokens.size() > 1;
+}
+
+}  // namespace
+
 Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int prefill_width, int vocab_size,
                     const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token, int start_pos,
-                    ContextShift* shift) {
+                    ContextShift* shift, Guesser* guesser) {
   check_limits(start_pos + prompt.size(), limits, shift, prompt.size());
   Generation g;
   g.prompt_tokens = static_cast<int>(prompt.size());
@@ -65,6 +81,8 @@ Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int p
   chain.reset_stats();
   const int shifts_before = shift ? shift->shifts() : 0;
   const double shift_seconds_before = shift ? shift->seconds() : 0;
+  std::vector<int64_t> no_history;
+  std::vector<int64_t>& history = guesser ? guesser->begin(prompt, start_pos) : no_history;
 
   const auto prefill_start = std::chrono::steady_clock::now();
   const float* logits = nullptr;
@@ -82,17 +100,47 @@ Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int p
   chain.reset_stats();
 
   int total = start_pos + g.prompt_tokens;  // tokens so far, the evicted ones included
-  const auto decode_start = std::chrono::steady_clock::now();
-  while (true) {
-    g.tokens.push_back(token);
-    if (on_token) on_token(token);
-    g.stop_reason = stop_reason(token, static_cast<int>(g.tokens.size()), total + 1, limits);
-    if (!g.stop_reason.empty()) break;
-    logits = run_call(chain, shift, "decode", {token}, &pos);
-    ++g.decode_calls;
-    token = sampler.sample(logits, vocab_size);
-    ++pos;
+  // Gives out one generated token; true when generation ends with it.
+  auto emit = [&](int64_t t) {
     ++total;
+    g.tokens.push_back(t);
+    if (guesser) history.push_back(t);
+    if (on_token) on_token(t);
+    g.stop_reason = stop_reason(t, static_cast<int>(g.tokens.size()), total, limits);
+    return !g.stop_reason.empty();
+  };
+  const auto decode_start = std::chrono::steady_clock::now();
+  bool done = emit(token);
+  Tree tree;
+  std::vector<int64_t> choices, ahead;
+  std::vector<int> path;
+  while (!done) {
+    if (!guesses(guesser, history, pos, static_cast<int>(g.tokens.size()), limits, shift, &tree)) {
+      logits = run_call(chain, shift, "decode", {token}, &pos);
+      ++g.decode_calls;
+      token = sampler.sample(logits, vocab_size);
+      ++pos;
+      done = emit(token);
+      continue;
+    }
+    if (shift) pos = shift->room(chain, pos, tree.max_depth() + 1);
+    const float* rows = chain.forward_tree(tree, pos);
+    ++g.decode_calls;
+    ++g.verify_calls;
+    choices.clear();
+    for (size_t r = 0; r < tree.tokens.size(); ++r) choices.push_back(argmax(rows + r * vocab_size, vocab_size));
+    accepted_path(tree, choices, &path, &ahead);
+    guesser->learn(tree, choices);
+    g.accepted += static_cast<int>(path.size()) - 1;
+    size_t emitted = 0;
+    while (emitted + 1 < ahead.size() && !done) done = emit(ahead[emitted++]);
+    if (done) path.resize(emitted);  // the last token given out is not yet in the cache
+    chain.commit(path, pos);
+    pos += static_cast<int>(path.size());
+    if (!done) {
+      token = ahead.back();
+      done = emit(token);
+    }
   }
   g.decode_seconds = since(decode_start);
   g.in_cache = pos;
@@ -115,6 +163,9 @@ nlohmann::json stats_json(const Generation& g, const RunInfo& run) {
   stats["time_to_first_token_ms"] = g.prefill_seconds * 1e3;
   stats["prefill_tokens_per_s"] = g.prefill_tokens_per_s();
   stats["decode_tokens_per_s"] = g.decode_tokens_per_s();
+  stats["tokens_per_call"] = g.tokens_per_call();
+  stats["verify_calls"] = g.verify_calls;
+  stats["accepted_per_call"] = g.verify_calls ? static_cast<double>(g.accepted) / g.verify_calls : 0.0;
   stats["shard_ms_per_token"] = g.decode_shard_ms_per_token;
   stats["kv_write_ms_per_token"] = g.decode_kv_write_ms_per_token;
   stats["prefill_shard_ms_per_token"] = g.prefill_shard_ms_per_token;

@@ -11,6 +11,7 @@
 #include "context_shift.h"
 #include "manifest.h"
 #include "sampler.h"
+#include "speculate.h"
 
 namespace composite {
 
@@ -27,6 +28,11 @@ class TokenChain {
   // Context shift of the cache (KVCache::shift).
   virtual void shift_cache(int keep, int evict, int used, const std::vector<float>& cos,
                            const std::vector<float>& sin) = 0;
+  // The verify method on a tree of tokens (speculate.h) whose root sits at pos: every row's logits,
+  // [rows x vocab]. Nothing reaches the cache until commit(), which writes the new entries of
+  // `rows` of that call to slots pos.. .
+  virtual const float* forward_tree(const Tree& tree, int pos) = 0;
+  virtual void commit(const std::vector<int>& rows, int pos) = 0;
 };
 
 struct Limits {
@@ -51,7 +57,9 @@ struct Generation {
   std::string stop_reason;
   int prompt_tokens = 0;
   int prefill_width = 1;
-  int decode_calls = 0;
+  int decode_calls = 0;  // calls after the first token: decode, and verify with a guesser
+  int verify_calls = 0;
+  int accepted = 0;  // guesses the verify calls accepted
   double prefill_seconds = 0, decode_seconds = 0;
   std::vector<double> prefill_shard_ms_per_token, decode_shard_ms_per_token;
   double prefill_kv_write_ms_per_token = 0, decode_kv_write_ms_per_token = 0;
@@ -60,17 +68,20 @@ struct Generation {
   double context_shift_seconds = 0;
 
   double prefill_tokens_per_s() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0.0; }
-  double decode_tokens_per_s() const {
-    return decode_calls && decode_seconds > 0 ? decode_calls / decode_seconds : 0.0;
-  }
+  // Tokens given out after the first (which the prompt's last call gives).
+  int decoded() const { return tokens.empty() ? 0 : static_cast<int>(tokens.size()) - 1; }
+  double decode_tokens_per_s() const { return decode_calls && decode_seconds > 0 ? decoded() / decode_seconds : 0.0; }
+  double tokens_per_call() const { return decode_calls ? static_cast<double>(decoded()) / decode_calls : 0.0; }
 };
 
 // Places `prompt` at positions start_pos.. (the cache already holds the tokens before it, as in a
 // chat's later turns) and generates after it. A lone last prompt token goes through "decode"
 // rather than a padded "prefill" call. shift: makes room past max_seq_len, or null to stop there.
+// guesser: guesses checked several per call by the verify method (greedy only), or null to
+// decode a token per call.
 Generation generate(TokenChain& chain, const std::vector<int64_t>& prompt, int prefill_width, int vocab_size,
                     const Limits& limits, Sampler& sampler, const std::function<void(int64_t)>& on_token,
-                    int start_pos = 0, ContextShift* shift = nullptr);
+                    int start_pos = 0, ContextShift* shift = nullptr, Guesser* guesser = nullptr);
 
 // Facts of the run beside the generation itself.
 struct RunInfo {

@@ -30,7 +30,31 @@ void copy_entries(char* k, const char* k_new, char* v, const char* v_new, size_t
   }
 }
 
+// The same for the entries of `rows` of the new ones, in that order, to slots pos.. .
+void copy_rows(char* k, const char* k_new, char* v, const char* v_new, size_t k_bytes, size_t v_bytes, int kv_heads,
+               int head_dim, size_t S, int width, int pos, const std::vector<int>& rows) {
+  const size_t channels = static_cast<size_t>(kv_heads) * head_dim;
+  for (size_t c = 0; c < channels; ++c) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::memcpy(k + (c * S + pos + i) * k_bytes, k_new + (c * width + rows[i]) * k_bytes, k_bytes);
+    }
+  }
+  for (int h = 0; h < kv_heads; ++h) {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::memcpy(v + (h * S + pos + i) * head_dim * v_bytes,
+                  v_new + (static_cast<size_t>(h) * width + rows[i]) * head_dim * v_bytes, v_bytes * head_dim);
+    }
+  }
+}
+
 }  // namespace
+
+void KVCache::write_rows(int layer, const void* k_new, const void* v_new, int width, int pos,
+                         const std::vector<int>& rows) {
+  copy_rows(static_cast<char*>(k(layer)), static_cast<const char*>(k_new), static_cast<char*>(v(layer)),
+            static_cast<const char*>(v_new), encodings_[layer].first.element_size(),
+            encodings_[layer].second.element_size(), kv_heads_, head_dim_, max_seq_len_, width, pos, rows);
+}
 
 void KVCache::write(int layer, const void* k_new, const void* v_new, int width, int pos, int count) {
   copy_entries(static_cast<char*>(k(layer)), static_cast<const char*>(k_new), static_cast<char*>(v(layer)),
@@ -102,6 +126,21 @@ float* AttentionMask::at(int pos) {
                 values_.begin() + static_cast<size_t>(r) * row_len + hi, value);
     }
     visible_until_ = pos;
+  }
+  return values_.data();
+}
+
+float* AttentionMask::tree(int pos, const std::vector<int>& parents) {
+  at(pos);
+  const int row_len = max_seq_len_ + width_;
+  // Row i sees itself and its ancestors; a padding row past the tree sees itself only.
+  for (int r = 0; r < width_; ++r) {
+    float* own = values_.data() + static_cast<size_t>(r) * row_len + max_seq_len_;
+    std::fill(own, own + width_, hidden_);
+    own[r] = 0.f;
+    if (r < static_cast<int>(parents.size())) {
+      for (int a = parents[r]; a >= 0; a = parents[a]) own[a] = 0.f;
+    }
   }
   return values_.data();
 }

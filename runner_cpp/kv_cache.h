@@ -24,6 +24,9 @@ class KVCache {
   // Copies the first `count` of `width` new entries, in the layer's own encoding, into slots
   // pos .. pos+count-1, in place.
   void write(int layer, const void* k_new, const void* v_new, int width, int pos, int count);
+  // The entries of `rows` of the `width` new ones, in that order, into slots pos.. (a verify
+  // call's accepted path).
+  void write_rows(int layer, const void* k_new, const void* v_new, int width, int pos, const std::vector<int>& rows);
   void clear();  // every slot back to the encoding of 0.0
 
   // Context shift (context_shift.h): slots keep+evict .. used-1 move down to keep .. used-evict-1,
@@ -45,6 +48,9 @@ class AttentionMask {
   AttentionMask(int width, int max_seq_len, float hidden);
   // The mask for a call whose first token is at `pos`.
   float* at(int pos);
+  // The mask for a verify call at `pos` whose rows form a tree (parents[i] < i, -1 for the root):
+  // each row sees the cache below pos, itself and its ancestors.
+  float* tree(int pos, const std::vector<int>& parents);
   float* data() { return values_.data(); }
 
  private:

@@ -34,6 +34,7 @@
 #include "qnn_libraries.h"
 #include "sampler.h"
 #include "shard_chain.h"
+#include "speculate.h"
 #include "stderr_filter.h"
 #include "tokenizer.h"
 
@@ -57,6 +58,8 @@ struct Options {
   int threads = 0;  // 0 = the performant cores
   bool context_shift = true;
   int keep = -1, evict = -1;  // -1: the defaults (context_shift.h)
+  int prompt_lookup = -1;     // -1: not asked for
+  std::string lookahead;      // empty: not asked for
 };
 
 struct Flag {
@@ -89,6 +92,11 @@ const Flag kFlags[] = {
     {"--keep", "N", "past the context, keep the first N tokens, the attention sinks (default 4)"},
     {"--evict", "N", "past the context, evict N tokens at a time (default: a quarter of the context)"},
     {"--no_context_shift", nullptr, "stop at the export's max_seq_len instead of evicting the oldest tokens"},
+    {"--prompt_lookup", "N",
+     "guess the next tokens from the text so far (its last N..1 tokens matched), checked several per call"},
+    {"--lookahead", "[W,N,G]",
+     "lookahead decoding: guesses from Jacobi iteration (window W, n-gram size N, G candidates), checked several "
+     "per call (default 2,3,1)"},
     {"--temperature", "T", "0 = greedy (default 0)"},
     {"--top_p", "P", "nucleus sampling mass in (0, 1] (default 1)"},
     {"--seed", "S", "sampling seed, 0 .. 2^64-1 (default: a fresh one, printed when sampling)"},
@@ -155,6 +163,19 @@ uint64_t parse_seed(const std::string& text) {
   return value;
 }
 
+// --eval_text and the flags that shape its scoring.
+void parse_eval_options(std::map<std::string, std::string>& values, EvalOptions* eval) {
+  eval->text_path = values["--eval_text"];
+  if (values.count("--ctx")) eval->ctx = static_cast<int>(parse_number("--ctx", values["--ctx"], 2, 1e9));
+  if (values.count("--limit_tokens"))
+    eval->limit_tokens = static_cast<int>(parse_number("--limit_tokens", values["--limit_tokens"], 2, 1e12));
+  if (values.count("--score")) eval->score = values["--score"];
+  if (eval->score != "all" && eval->score != "second-half") {
+    throw RunnerError("--score must be all or second-half, got '" + eval->score + "'");
+  }
+  if (values.count("--kld_base")) eval->kld_base_path = values["--kld_base"];
+}
+
 Options parse_options(int argc, char** argv) {
   Options o;
   std::map<std::string, std::string> values;
@@ -171,6 +192,11 @@ Options parse_options(int argc, char** argv) {
     const std::string name = canonical_flag(arg);
     const Flag* flag = find_flag(name);
     if (flag == nullptr) throw RunnerError("unknown flag '" + arg + "' (see --help)");
+    if (name == "--lookahead") {  // its value is optional
+      if (!inline_value && i + 1 < argc && argv[i + 1][0] != '-') value = argv[++i];
+      values[name] = value.empty() ? kDefaultLookahead : value;
+      continue;
+    }
     if (flag->value == nullptr) {
       if (name == "--help") {
         print_help();
@@ -207,17 +233,7 @@ Options parse_options(int argc, char** argv) {
   if (!o.chat && !eval && prompts != 1) {
     throw RunnerError("give exactly one of --prompt, --prompt_file, --prompt_ids, --chat, --eval_text");
   }
-  if (eval) {
-    o.eval.text_path = values["--eval_text"];
-    if (values.count("--ctx")) o.eval.ctx = static_cast<int>(parse_number("--ctx", values["--ctx"], 2, 1e9));
-    if (values.count("--limit_tokens"))
-      o.eval.limit_tokens = static_cast<int>(parse_number("--limit_tokens", values["--limit_tokens"], 2, 1e12));
-    if (values.count("--score")) o.eval.score = values["--score"];
-    if (o.eval.score != "all" && o.eval.score != "second-half") {
-      throw RunnerError("--score must be all or second-half, got '" + o.eval.score + "'");
-    }
-    if (values.count("--kld_base")) o.eval.kld_base_path = values["--kld_base"];
-  }
+  if (eval) parse_eval_options(values, &o.eval);
   if (values.count("--system") && !o.chat) throw RunnerError("--system is for --chat");
   if (values.count("--system")) o.system = values["--system"];
   if (values.count("--chat_template") && !o.chat) throw RunnerError("--chat_template is for --chat");
@@ -237,6 +253,12 @@ Options parse_options(int argc, char** argv) {
   if (values.count("--evict")) o.evict = static_cast<int>(parse_number("--evict", values["--evict"], 0, 1e9));
   if (!o.context_shift && (o.keep >= 0 || o.evict >= 0)) {
     throw RunnerError("--keep and --evict shape the context shift: drop them or --no_context_shift");
+  }
+  if (values.count("--prompt_lookup"))
+    o.prompt_lookup = static_cast<int>(parse_number("--prompt_lookup", values["--prompt_lookup"], 0, 1e6));
+  if (values.count("--lookahead")) o.lookahead = values["--lookahead"];
+  if ((o.prompt_lookup >= 0 || !o.lookahead.empty()) && eval) {
+    throw RunnerError("--prompt_lookup and --lookahead are for generating: drop them or --eval_text");
   }
   if (values.count("--threads")) o.threads = static_cast<int>(parse_number("--threads", values["--threads"], 1, 256));
   return o;
@@ -388,7 +410,8 @@ ChatTemplate read_chat_template(const std::string& path) {
 // --chat: one user turn per stdin line. The cache keeps the conversation, so each turn prefills
 // only its own tokens; an answer ends at the end of the assistant's turn (any stop id).
 void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format, const Tokenizer& tokenizer,
-          TokenChain& chain, const Limits& limits, Sampler& sampler, ContextShift* shift, RunInfo& info) {
+          TokenChain& chain, const Limits& limits, Sampler& sampler, ContextShift* shift, Guesser* guesser,
+          RunInfo& info) {
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
   const bool interactive = isatty(STDIN_FILENO);
   auto is_stop = [&](int64_t t) { return std::count(limits.eos_ids.begin(), limits.eos_ids.end(), t) > 0; };
@@ -415,7 +438,7 @@ void chat(const Options& o, const Manifest& manifest, const ChatTemplate& format
       break;
     }
     TextPrinter printer(&tokenizer, turn.back());
-    last = generate(chain, turn, width, manifest.vocab_size, limits, sampler, std::ref(printer), pos, shift);
+    last = generate(chain, turn, width, manifest.vocab_size, limits, sampler, std::ref(printer), pos, shift, guesser);
     printer.finish();
     turns.push_back({{"start_pos", pos},
                      {"prompt", turn},
@@ -486,6 +509,9 @@ int run(int argc, char** argv) {
     prompt = prompt_tokens(o, manifest, tokenizer.get());
     check_limits(prompt.size(), limits, shifting);
   }
+  const std::unique_ptr<Guesser> guesser =
+      make_guesser(o.prompt_lookup, o.lookahead, manifest.methods.count("verify") ? manifest.methods.at("verify") : 0,
+                   o.temperature);
   if (has_qnn) check_qnn_build(manifest, o.allow_qnn_mismatch);
   RunInfo info;
   info.threads = configure_cpu_backend(o.threads);
@@ -507,22 +533,24 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (o.chat) {
-    chat(o, manifest, chat_format, *tokenizer, chain, limits, sampler, shifting, info);
+    chat(o, manifest, chat_format, *tokenizer, chain, limits, sampler, shifting, guesser.get(), info);
     return 0;
   }
   TextPrinter printer(tokenizer.get(), prompt.back());
   const int width = manifest.methods.count("prefill") ? manifest.methods.at("prefill") : 1;
-  const Generation g =
-      generate(chain, prompt, width, manifest.vocab_size, limits, sampler, std::ref(printer), 0, shifting);
+  const Generation g = generate(chain, prompt, width, manifest.vocab_size, limits, sampler, std::ref(printer), 0,
+                                shifting, guesser.get());
   printer.finish();
   if (g.stop_reason == "max_seq_len") std::cerr << "stopped: reached max_seq_len " << manifest.max_seq_len << "\n";
 
   describe_shards(manifest, &info);
   std::fprintf(stderr,
                "prompt %d tokens, generated %zu (%s); load %.1f ms, first token %.1f ms, prefill %.1f tok/s, decode "
-               "%.1f tok/s, peak RSS %.0f MB\n",
+               "%.1f tok/s%s, peak RSS %.0f MB\n",
                g.prompt_tokens, g.tokens.size(), g.stop_reason.c_str(), info.load_ms, g.prefill_seconds * 1e3,
-               g.prefill_tokens_per_s(), g.decode_tokens_per_s(), info.peak_rss_mb);
+               g.prefill_tokens_per_s(), g.decode_tokens_per_s(),
+               guesser ? (" (" + std::to_string(g.tokens_per_call()).substr(0, 4) + " tokens per call)").c_str() : "",
+               info.peak_rss_mb);
   write_stats(o.stats_json, stats_json(g, info));
   return 0;
 }

@@ -12,8 +12,10 @@ Sampler::Sampler(float temperature, float top_p, uint64_t seed)
 
 double Sampler::uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
+int64_t argmax(const float* logits, int vocab) { return std::max_element(logits, logits + vocab) - logits; }
+
 int64_t Sampler::sample(const float* logits, int vocab) {
-  const int64_t best = std::max_element(logits, logits + vocab) - logits;
+  const int64_t best = argmax(logits, vocab);
   if (temperature_ <= 0.f) return best;
   std::vector<double> probs(vocab);
   const double top = logits[best];

@@ -5,6 +5,9 @@
 
 namespace composite {
 
+// The greedy choice: the first of the largest logits (torch.argmax's choice too).
+int64_t argmax(const float* logits, int vocab);
+
 class Sampler {
  public:
   Sampler(float temperature, float top_p, uint64_t seed);

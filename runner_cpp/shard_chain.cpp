@@ -209,7 +209,7 @@ void ShardChain::check_method(const ShardInfo& shard, const std::string& method)
       names.push_back("v_cache." + std::to_string(l));
     }
   }
-  if (s.has_head && manifest_.methods.at(method) > 1) names.push_back("logits_index");
+  if (s.has_head && manifest_.methods.at(method) > 1 && method != "verify") names.push_back("logits_index");
   if (names.size() != io.inputs.size()) {
     throw RunnerError(where + " has " + std::to_string(io.inputs.size()) + " inputs, this runner feeds " +
                       std::to_string(names.size()));
@@ -234,7 +234,43 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
   }
   b.mask->at(pos);
   b.logits_index = count - 1;
+  return run(method, b, pos, count);  // [1, 1, vocab]
+}
+
+const float* ShardChain::forward_tree(const Tree& tree, int pos) {
+  auto found = buffers_.find("verify");
+  if (found == buffers_.end()) throw RunnerError("internal: this export has no verify method");
+  MethodBuffers& b = found->second;
+  const int count = static_cast<int>(tree.tokens.size());
+  if (count < 1 || count > b.width)
+    throw RunnerError("internal: verify called with " + std::to_string(count) + " tokens");
+  const std::vector<int> depths = tree.depths();
+  if (pos + tree.max_depth() >= manifest_.max_seq_len) throw RunnerError("position beyond max_seq_len");
+  for (int i = 0; i < b.width; ++i) {
+    b.tokens[i] = i < count ? tree.tokens[i] : 0;
+    b.positions[i] = pos + (i < count ? depths[i] : 0);
+  }
+  b.mask->tree(pos, tree.parents);
+  return run("verify", b, pos, -1);  // [1, width, vocab]
+}
+
+void ShardChain::commit(const std::vector<int>& rows, int pos) {
+  const auto start = std::chrono::steady_clock::now();
+  const int width = buffers_.at("verify").width;
+  for (const ShardInfo& shard : manifest_.shards) {
+    const std::vector<EValue>& outputs = held_[shard.index];
+    for (int l = shard.layer_first; l < shard.layer_end; ++l) {
+      const size_t at = 1 + 2 * (l - shard.layer_first);
+      cache_.write_rows(l, outputs[at].toTensor().const_data_ptr(), outputs[at + 1].toTensor().const_data_ptr(), width,
+                        pos, rows);
+    }
+  }
+  kv_write_seconds_ += seconds_since(start);
+}
+
+const float* ShardChain::run(const std::string& method, MethodBuffers& b, int pos, int count) {
   EValue hidden;
+  held_.assign(count < 0 ? manifest_.shards.size() : 0, {});
   for (const ShardInfo& shard : manifest_.shards) {
     const auto start = std::chrono::steady_clock::now();  // a hidden-state conversion counts as the shard's
     std::vector<EValue>& in = inputs_[shard.index];
@@ -257,12 +293,17 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
         in.emplace_back(*v_tensors_[l]);
       }
     }
-    if (shard.has_head && b.width > 1) in.emplace_back(*b.logits_index_tensor);
+    if (shard.has_head && b.width > 1 && method != "verify") in.emplace_back(*b.logits_index_tensor);
     auto outputs = modules_[shard.index]->execute(method, in);
     shard_seconds_[shard.index] += seconds_since(start);
     if (!outputs.ok()) {
       throw RunnerError("shard " + std::to_string(shard.index) + " " + method + " failed with ExecuTorch error " +
                         std::to_string(static_cast<int>(outputs.error())));
+    }
+    hidden = (*outputs)[0];
+    if (count < 0) {  // the outputs live in the method's own memory until its next call
+      held_[shard.index] = std::move(*outputs);
+      continue;
     }
     const auto write_start = std::chrono::steady_clock::now();
     for (int l = shard.layer_first; l < shard.layer_end; ++l) {
@@ -271,9 +312,8 @@ const float* ShardChain::forward(const std::string& method, const std::vector<in
                    b.width, pos, count);
     }
     kv_write_seconds_ += seconds_since(write_start);
-    hidden = (*outputs)[0];
   }
-  return hidden.toTensor().const_data_ptr<float>();  // [1, 1, vocab]; float32, as the readers check
+  return hidden.toTensor().const_data_ptr<float>();  // float32, as the readers check
 }
 
 void ShardChain::reset_stats() {

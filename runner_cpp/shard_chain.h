@@ -29,6 +29,9 @@ class ShardChain : public TokenChain {
   // Runs `tokens` (1 .. width of `method`) at positions pos..; returns logits of the last token.
   const float* forward(const std::string& method, const std::vector<int64_t>& tokens, int pos) override;
 
+  const float* forward_tree(const Tree& tree, int pos) override;
+  void commit(const std::vector<int>& rows, int pos) override;
+
   // Time spent per shard and in KV writes since the last reset_stats().
   const std::vector<double>& shard_seconds() const override { return shard_seconds_; }
   double kv_write_seconds() const override { return kv_write_seconds_; }
@@ -54,6 +57,9 @@ class ShardChain : public TokenChain {
     std::vector<HiddenConversion> conversions;  // per shard
   };
   void check_method(const ShardInfo& shard, const std::string& method);
+  // Every shard's `method` on the tokens and positions in b; count: its first new entries
+  // written at pos, or -1 to hold every shard's outputs for commit(). -> the last output.
+  const float* run(const std::string& method, MethodBuffers& b, int pos, int count);
 
   const Manifest manifest_;
   std::vector<std::unique_ptr<executorch::extension::Module>> modules_;
@@ -61,6 +67,7 @@ class ShardChain : public TokenChain {
   std::vector<executorch::extension::TensorPtr> k_tensors_, v_tensors_;
   std::map<std::string, MethodBuffers> buffers_;
   std::vector<std::vector<executorch::runtime::EValue>> inputs_;  // per shard, reused every call
+  std::vector<std::vector<executorch::runtime::EValue>> held_;    // per shard, a forward_tree call's outputs
   std::vector<double> shard_seconds_;
   double kv_write_seconds_ = 0;
 };

@@ -153,7 +153,10 @@ def test_auto_cut_fills_the_npu_shards_up_to_their_budget():
 
     assert cut(1024) == [0, 2, 2, 1, 1, 0]  # all 6 layers on the NPU, spread evenly
     options = build_config(None, {"shards": 6, "placement": placement}).placements()[1].options
-    one = estimate(DEFAULT_ARGS, ShardSpec(1, 0, 1, False, False), options, 512, 64).total / HTP_MB
+    one = (
+        estimate(DEFAULT_ARGS, ShardSpec(1, 0, 1, False, False), options, 512, build_config(None, {}).methods()).total
+        / HTP_MB
+    )
     assert cut(one * 1.5) == [1, 1, 1, 1, 1, 1]  # one layer each; the CPU ends take the rest
     from composite.errors import UserError
 

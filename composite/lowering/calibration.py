@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from composite import manifest as manifest_schema
 from composite.errors import UserError
-from composite.manifest import DECODE, PREFILL
+from composite.manifest import DECODE, PREFILL, VERIFY, takes_logits_index
 from composite.model.default import corpus_text
 from composite.model.llama import cache_shapes
 from composite.runtime.kv_cache import AttentionMask, KVCache
@@ -120,10 +120,14 @@ def calibration_calls(
     the first pass decodes from the sequence's start instead (below). A last pass (one prefill,
     one decode call) is held out."""
     width = methods[PREFILL]
+    # A verify call (its tokens a chain, as prompt lookup makes them) after each pass's prefill
+    # calls, where the cache has room for it and a decode step after.
+    verify = methods.get(VERIFY, 0)
     prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
     decode_calls = int(options.get("decode_samples", min(prefill_calls, DEFAULT_DECODE_SAMPLES))) * width
     chunks_per_pass = max(1, min(prefill_calls, (max_seq_len // 2) // width))
-    decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - 1)
+    verify = verify if chunks_per_pass * width + verify < max_seq_len else 0
+    decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - verify - 1)
     passes = max(-(-prefill_calls // chunks_per_pass), -(-decode_calls // decode_per_pass))
     # The first pass decodes a sequence from its start, as composite.eval and --eval_text call a
     # shard (a decode call per token): the first position's activations (a trained model's largest,
@@ -137,7 +141,7 @@ def calibration_calls(
         decode_left -= plan[-1][1]
     plan = [entry for entry in plan if entry != (0, 0)]
     plan.append((1, 1))  # held out
-    stream = token_stream(options, tokenizer, vocab_size, sum(p * width + d for p, d in plan))
+    stream = token_stream(options, tokenizer, vocab_size, sum(p * width + (verify if p else 0) + d for p, d in plan))
     calls, cursor = [], 0
     for pass_index, (chunks, steps) in enumerate(plan):
         held_out = pass_index == len(plan) - 1
@@ -149,6 +153,10 @@ def calibration_calls(
             calls.append(Call(PREFILL, tuple(chunk), pos, pos == 0, held_out))
             pos += width
             cursor += width
+        if chunks and verify:
+            calls.append(Call(VERIFY, tuple(stream[cursor : cursor + verify]), pos, False, held_out))
+            pos += verify
+            cursor += verify
         if head_decode_from_rows:
             for start in range(0, steps, width):
                 rows = min(width, steps - start)
@@ -185,7 +193,7 @@ class ShardReplay:
         if call.starts_sequence:
             self.cache.reset()
         caches = list(zip(self.cache.k, self.cache.v))
-        row = last_row(len(call.tokens)) if self.spec.has_head and width > 1 else None
+        row = last_row(len(call.tokens)) if self.spec.has_head and takes_logits_index(call.method, width) else None
         return call_inputs(x, call.pos, width, self.masks[call.method].at(call.pos), caches, row)
 
     def run(self, call: Call, inputs: list, graph=None) -> list:

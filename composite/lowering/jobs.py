@@ -18,7 +18,6 @@ from composite.lowering.calibration import calibration_calls, effective_options,
 from composite.lowering.qnn.weight_rounding import moment_bytes
 from composite.lowering.task import float_task, lower_task
 from composite.lowering.work import ShardWork
-from composite.manifest import method_widths
 from composite.split.plan import unit_bytes
 
 MB = 1 << 20
@@ -67,7 +66,7 @@ def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[Sh
     """One ShardWork per shard: everything that decides its bytes. A QNN shard's carries its
     calibration run (the calls of its calibration settings; QNN shards with the same settings share
     one run, and one float chain)."""
-    methods = method_widths(config.prefill_len)
+    methods = config.methods()
     calls_by_settings: dict[str, list] = {}
     works = []
     shared = shared_table.head_mapping(loaded.args, config, placements)
@@ -89,6 +88,7 @@ def shard_works(loaded, specs, placements, config, tokenizer, bos_id) -> list[Sh
                 rotation=config.rotation(),
                 max_seq_len=config.max_seq_len,
                 prefill_len=config.prefill_len,
+                verify_len=config.verify_len,
                 embedding_quantize=config.embedding_bits_and_group() if spec.has_embedding else None,
                 head_shard=specs[-1].index,
                 calls=calls,

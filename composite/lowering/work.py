@@ -21,7 +21,7 @@ import torch
 from composite.config import Placement
 from composite.lowering import embedding as embedding_table
 from composite.lowering.calibration import Call
-from composite.manifest import method_widths
+from composite.manifest import every_row_logits, method_widths
 from composite.model.llama import ModelArgs, Transformer, rope_inv_freq
 from composite.model.loaded import build_model, part_names
 from composite.model.rotation import rotate
@@ -42,6 +42,7 @@ class ShardWork:
     rotation: str  # the export's rotate setting, resolved (model/rotation.py)
     max_seq_len: int
     prefill_len: int
+    verify_len: int = 0  # width of the verify method (0: none)
     embedding_quantize: tuple[int, int] | None = None  # (bits, group) of the shard's table, if it has one
     head_shard: int = 0  # where a tied head keeps its copy of the table (a quantized table's notes say)
     calls: list[Call] | None = None  # QNN and float tasks: the calibration run
@@ -54,7 +55,7 @@ class ShardWork:
 
     @property
     def methods(self) -> dict[str, int]:
-        return method_widths(self.prefill_len)
+        return method_widths(self.prefill_len, self.verify_len)
 
     @property
     def data_file(self) -> Path | None:
@@ -67,7 +68,9 @@ class ShardWork:
 
     def io(self) -> dict:
         """method -> (input TensorSpecs, output TensorSpecs), in call order."""
-        return {m: shard_io(self.args, self.spec, n, self.max_seq_len) for m, n in self.methods.items()}
+        return {
+            m: shard_io(self.args, self.spec, n, self.max_seq_len, every_row_logits(m)) for m, n in self.methods.items()
+        }
 
     def names(self) -> dict[str, tuple[list[str], list[str]]]:
         """method -> (input names, output names), as the manifest lists them."""
@@ -105,6 +108,7 @@ class ShardWork:
             "rotation": self.rotation,
             "max_seq_len": self.max_seq_len,
             "prefill_len": self.prefill_len,
+            "verify_len": self.verify_len,
             "embedding_quantize": self.embedding_quantize,
             "head_shard": self.head_shard,
             "shared_table": self.shared_table,

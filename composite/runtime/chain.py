@@ -13,10 +13,18 @@ import torch
 from composite import manifest as manifest_schema
 from composite import manifest_files, qnn_host
 from composite.errors import UserError
+from composite.manifest import VERIFY, takes_logits_index
 from composite.model.llama import cache_shapes
 from composite.runtime.encoding import Encoding, convert
 from composite.runtime.kv_cache import AttentionMask, KVCache
-from composite.runtime.shard_call import call_inputs, last_row, padded_tokens, write_new_entries
+from composite.runtime.shard_call import (
+    call_inputs,
+    last_row,
+    padded_tokens,
+    tree_depths,
+    tree_visibility,
+    write_new_entries,
+)
 
 # method name -> callable(list of input tensors) -> list of output tensors, one dict per shard
 ShardRunners = dict[str, Callable[[list], list]]
@@ -43,6 +51,7 @@ class Chain:
         self.masks = {name: AttentionMask(n, max_seq_len, mask_hidden) for name, n in self.methods.items()}
         self.shard_seconds = [0.0] * len(shards)
         self.kv_write_seconds = 0.0
+        self.held_outputs: list[list] = []  # per shard, the outputs of a forward_tree call
         # Called with (shard index, method, inputs) before each shard runs, and with its outputs
         # after (composite.eval --per-shard compares each shard with the float shard this way).
         self.input_observer: Callable[[int, str, list], None] | None = None
@@ -56,8 +65,37 @@ class Chain:
             raise ValueError(f"{method} takes 1..{width} tokens, got {count}")
         if pos + count > self.max_seq_len:
             raise UserError(f"position {pos + count} is beyond max_seq_len {self.max_seq_len}")
-        mask = self.masks[method].at(pos)
+        x = self._call(method, tokens, pos, self.masks[method].at(pos), None, count)
+        return x[0, -1]  # the head's logits are float32 (the manifest readers check it)
+
+    def forward_tree(self, tokens: list[int], parents: list[int], pos: int) -> torch.Tensor:
+        """The verify method on a tree of tokens (runtime/speculate.py) whose root sits at pos:
+        -> logits [rows, vocab], every row's. Nothing is written to the cache until commit()."""
+        width = self.methods[VERIFY]
+        if not 0 < len(tokens) <= width:
+            raise ValueError(f"{VERIFY} takes 1..{width} tokens, got {len(tokens)}")
+        depths = tree_depths(parents)
+        if pos + max(depths) >= self.max_seq_len:
+            raise UserError(f"position {pos + max(depths)} is beyond max_seq_len {self.max_seq_len}")
+        mask = self.masks[VERIFY].tree(pos, tree_visibility(parents, width))
+        positions = torch.tensor([pos + d for d in depths] + [pos] * (width - len(tokens)), dtype=torch.int64)
+        x = self._call(VERIFY, tokens, pos, mask, positions, None)
+        return x[0, : len(tokens)]
+
+    def commit(self, rows: list[int], pos: int) -> None:
+        """The new cache entries of these rows of the last forward_tree call, to slots pos.. ."""
+        started = time.perf_counter()
+        for shard, outputs in zip(self.shards, self.held_outputs):
+            write_new_entries(self.cache, range(*shard["layers"]), outputs, pos, len(rows), rows)
+        self.kv_write_seconds += time.perf_counter() - started
+        self.held_outputs = []
+
+    def _call(self, method: str, tokens: list[int], pos: int, mask, positions, count: int | None) -> torch.Tensor:
+        """Every shard's `method`; count: its first new entries written at pos.., or None to hold
+        every shard's outputs for commit()."""
+        width = self.methods[method]
         x, encoding = padded_tokens(tokens, width), None
+        self.held_outputs = []
         for shard, runners in zip(self.shards, self.runners):
             layers = range(*shard["layers"])
             started = time.perf_counter()  # a hidden-state conversion counts as the shard's time
@@ -65,8 +103,8 @@ class Chain:
             if not shard["has_embedding"]:
                 x = convert(x, encoding, wanted)  # only where a quantized shard meets a float one
             caches = [(self.cache.k[layer], self.cache.v[layer]) for layer in layers]
-            row = last_row(count) if shard["has_head"] and width > 1 else None
-            inputs = call_inputs(x, pos, width, mask, caches, row)
+            row = last_row(len(tokens)) if shard["has_head"] and takes_logits_index(method, width) else None
+            inputs = call_inputs(x, pos, width, mask, caches, row, positions)
             if self.input_observer is not None:
                 self.input_observer(shard["index"], method, inputs)
             outputs = runners[method](inputs)
@@ -74,10 +112,13 @@ class Chain:
             if self.output_observer is not None:
                 self.output_observer(shard["index"], method, outputs)
             x, encoding = outputs[0], produced
+            if count is None:
+                self.held_outputs.append(outputs)
+                continue
             started = time.perf_counter()
             write_new_entries(self.cache, layers, outputs, pos, count)
             self.kv_write_seconds += time.perf_counter() - started
-        return x[0, -1]  # the head's logits are float32 (the manifest readers check it)
+        return x
 
     def reset(self) -> None:
         self.cache.reset()

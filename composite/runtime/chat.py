@@ -67,11 +67,12 @@ def chat(
     on_turn_start: Callable[[list[int]], Callable[[int], None] | None] | None = None,
     on_turn_end: Callable[[], None] | None = None,
     shift=None,
+    guesser=None,
 ) -> Conversation:
     """One user turn per non-blank line. An answer ends at any stop id; one cut short keeps its
     last token, sampled but not yet in the cache, for the next turn to prefill. seq_len: tokens in
     all (0: no limit); shift: a ContextShift that evicts the oldest turns past the context, or None
-    to end the chat at seq_len."""
+    to end the chat at seq_len; guesser: runtime/speculate.py's, or None for plain decode."""
     if not manifest.get("chat"):
         raise UserError(
             "this export records no chat template (its tokenizer has none): export with --chat-template FILE"
@@ -107,6 +108,7 @@ def chat(
             seq_len=seq_len,
             start_pos=conversation.in_cache,
             shift=shift,
+            guesser=guesser,
         )
         if on_turn_end:
             on_turn_end()

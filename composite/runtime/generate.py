@@ -9,6 +9,7 @@ import torch
 
 from composite.errors import UserError
 from composite.manifest import DECODE, PREFILL, memory_figures
+from composite.runtime.speculate import Tree, accepted_path
 
 # Both runners' default (runner_cpp/main.cpp says the same).
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -25,7 +26,9 @@ class Generation:
     decode_seconds: float = 0.0
     first_token_seconds: float = 0.0
     stop_reason: str = ""
-    decode_calls: int = 0
+    decode_calls: int = 0  # calls after the first token: decode, and verify with a guesser
+    verify_calls: int = 0
+    accepted: int = 0  # guesses accepted by the verify calls
     # per shard, ms per prompt token (prefill) and per decode call; KV-cache writes likewise
     prefill_shard_ms_per_token: list[float] = field(default_factory=list)
     decode_shard_ms_per_token: list[float] = field(default_factory=list)
@@ -40,8 +43,17 @@ class Generation:
         return len(self.prompt) / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
+    def decoded(self) -> int:
+        """Tokens given out after the first (which the prompt's last call gives)."""
+        return max(0, len(self.tokens) - 1)
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        return self.decode_calls / self.decode_seconds if self.decode_calls and self.decode_seconds else 0.0
+        return self.decoded / self.decode_seconds if self.decode_calls and self.decode_seconds else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        return self.decoded / self.decode_calls if self.decode_calls else 0.0
 
 
 def check_lengths(
@@ -127,10 +139,13 @@ def generate(
     seq_len: int | None = None,
     start_pos: int = 0,
     shift=None,
+    guesser=None,
 ) -> Generation:
     """seq_len: tokens in all, prompt included (default: the export's max_seq_len without a shift,
     no limit with one). start_pos: the cache already holds that many tokens before the prompt (a
-    chat's later turns); 0 starts afresh. shift: a ContextShift, or None to stop at max_seq_len."""
+    chat's later turns); 0 starts afresh. shift: a ContextShift, or None to stop at max_seq_len.
+    guesser: runtime/speculate.py's PromptLookup or Lookahead, checked by the verify method (greedy
+    only), or None to decode a token per call."""
     limits = Limits(
         max_new_tokens, default_seq_len(seq_len, chain.max_seq_len, shift), chain.max_seq_len, tuple(eos_ids)
     )
@@ -140,6 +155,7 @@ def generate(
     chain.reset_stats()
     shifts_before, shift_seconds_before = (shift.shifts, shift.seconds) if shift is not None else (0, 0.0)
     generation = Generation(list(prompt))
+    history = guesser.begin(prompt, start_pos) if guesser is not None else []
     started = time.perf_counter()
     logits, pos = prefill(chain, prompt, keep_logits, generation, start_pos, shift)
     token = sampler(logits)
@@ -148,21 +164,32 @@ def generate(
     generation.prefill_kv_write_ms_per_token = chain.kv_write_seconds * 1e3 / len(prompt)
     chain.reset_stats()
     total = start_pos + len(prompt)  # tokens so far, the evicted ones included
-    decode_started = time.perf_counter()
-    while True:
+
+    def emit(token: int) -> bool:
+        """Gives out one generated token; True when generation ends with it."""
+        nonlocal total
+        total += 1
         generation.tokens.append(token)
+        history.append(token)
         if on_token is not None:
             on_token(token)
-        generation.stop_reason = stop_reason(token, len(generation.tokens), total + 1, limits)
-        if generation.stop_reason:
-            break
-        logits, pos = run_call(chain, shift, DECODE, [token], pos)
-        generation.decode_calls += 1
-        if keep_logits:
-            generation.logits[pos] = logits.clone()
-        token = sampler(logits)
-        pos += 1
-        total += 1
+        generation.stop_reason = stop_reason(token, len(generation.tokens), total, limits)
+        return bool(generation.stop_reason)
+
+    decode_started = time.perf_counter()
+    done = emit(token)
+    while not done:
+        tree = guesses(guesser, history, pos, len(generation.tokens), limits, shift)
+        if tree is None:
+            logits, pos = run_call(chain, shift, DECODE, [token], pos)
+            generation.decode_calls += 1
+            if keep_logits:
+                generation.logits[pos] = logits.clone()
+            token = sampler(logits)
+            pos += 1
+            done = emit(token)
+            continue
+        token, pos, done = verify_step(chain, shift, guesser, tree, pos, generation, emit, keep_logits)
     generation.decode_seconds = time.perf_counter() - decode_started
     generation.in_cache = pos
     if shift is not None:
@@ -172,6 +199,50 @@ def generate(
     generation.decode_shard_ms_per_token = [s * 1e3 / calls if calls else 0.0 for s in chain.shard_seconds]
     generation.decode_kv_write_ms_per_token = chain.kv_write_seconds * 1e3 / calls if calls else 0.0
     return generation
+
+
+def verify_step(chain, shift, guesser, tree: Tree, pos: int, generation: Generation, emit, keep_logits: bool):
+    """One verify call on `tree` at pos: its accepted tokens given out by emit (which says when
+    generation ends), the accepted path's entries committed to the cache. -> (the next token to
+    run, its position, whether generation ended)."""
+    if shift is not None:
+        pos = shift.room(chain.cache, pos, max(tree.depths) + 1)
+    rows = chain.forward_tree(tree.tokens, tree.parents, pos)
+    generation.decode_calls += 1
+    generation.verify_calls += 1
+    choices = rows.argmax(-1).tolist()
+    path, ahead = accepted_path(tree, choices)
+    guesser.learn(tree, choices)
+    generation.accepted += len(path) - 1
+    emitted, done = 0, False
+    for guess in ahead[:-1]:
+        emitted += 1
+        if emit(guess):
+            done = True
+            break
+    kept = path[:emitted] if done else path  # the last token given out is not yet in the cache
+    chain.commit(kept, pos)
+    if keep_logits:
+        for i, row in enumerate(kept):
+            generation.logits[pos + i] = rows[row].clone()
+    pos += len(kept)
+    token = ahead[-1]
+    return token, pos, done or emit(token)
+
+
+def guesses(guesser, history: list[int], pos: int, generated: int, limits: Limits, shift) -> Tree | None:
+    """The tree of the next verify call (its root the last token of history, at pos), cut to what
+    can still be used: no deeper than the tokens left to generate and, without a context shift,
+    than the cache; None where nothing is left to check (a decode call instead)."""
+    tree = guesser.tree(history) if guesser is not None else None
+    if tree is None:
+        return None
+    depth = limits.max_new_tokens - generated - 1
+    if shift is None:
+        depth = min(depth, limits.max_seq_len - 1 - pos)
+    if max(tree.depths) > depth:
+        tree = tree.cut(depth)
+    return tree if len(tree.tokens) > 1 else None
 
 
 def stats(generation: Generation, manifest: dict, runner: str, **run_info) -> dict:
@@ -186,6 +257,9 @@ def stats(generation: Generation, manifest: dict, runner: str, **run_info) -> di
         "time_to_first_token_ms": generation.first_token_seconds * 1e3,
         "prefill_tokens_per_s": generation.prefill_tokens_per_s,
         "decode_tokens_per_s": generation.decode_tokens_per_s,
+        "tokens_per_call": generation.tokens_per_call,
+        "verify_calls": generation.verify_calls,
+        "accepted_per_call": generation.accepted / generation.verify_calls if generation.verify_calls else 0.0,
         "shard_ms_per_token": generation.decode_shard_ms_per_token,
         "kv_write_ms_per_token": generation.decode_kv_write_ms_per_token,
         "prefill_shard_ms_per_token": generation.prefill_shard_ms_per_token,

@@ -72,3 +72,9 @@ class AttentionMask:
             self.tensor[:, pos : self.visible_until] = self.hidden
         self.visible_until = pos
         return self.tensor
+
+    def tree(self, pos: int, visible: torch.Tensor) -> torch.Tensor:
+        """The mask for a verify call at `pos` whose own rows see what `visible` [T, T] says."""
+        self.at(pos)
+        self.tensor[:, self.max_seq_len :] = torch.where(visible, 0.0, self.hidden)
+        return self.tensor

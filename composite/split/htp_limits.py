@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from composite.errors import UserError
+from composite.manifest import every_row_logits
 from composite.model.llama import cache_shapes
 
 MB = 1 << 20
@@ -72,17 +73,18 @@ def fixed_weight_bytes(args, spec, options: dict) -> int:
     return int(per_param * table) * (spec.has_embedding + spec.has_head)
 
 
-def io_bytes(args, spec, options: dict, max_seq_len: int, prefill_len: int) -> int:
+def io_bytes(args, spec, options: dict, max_seq_len: int, methods: dict[str, int]) -> int:
     """The tensors the shard takes and gives, in its activation width: the caches of its layers
-    once (both methods bind the same cache), the rest per method."""
+    once (every method binds the same cache), the rest per method (`methods`: name -> tokens per
+    call)."""
     width = ACTIVATION_BYTES[options["precision"]]
     k_shape, v_shape = cache_shapes(args, max_seq_len)
     cache = len(spec.layers) * (_count(k_shape) + _count(v_shape))
     per_method = 0
-    for tokens in (1, prefill_len):
+    for method, tokens in methods.items():
         new_k, new_v = cache_shapes(args, tokens)
         hidden = tokens * args.dim * (not spec.has_embedding) + tokens * args.dim * (not spec.has_head)
-        logits = args.vocab_size if spec.has_head else 0
+        logits = args.vocab_size * (tokens if every_row_logits(method) else 1) if spec.has_head else 0
         mask = tokens * (max_seq_len + tokens) if len(spec.layers) else 0
         per_method += hidden + logits + mask + len(spec.layers) * (_count(new_k) + _count(new_v))
     return width * (cache + per_method)
@@ -95,31 +97,31 @@ def _count(shape) -> int:
     return count
 
 
-def estimate(args, spec, options: dict, max_seq_len: int, prefill_len: int) -> HtpBytes:
+def estimate(args, spec, options: dict, max_seq_len: int, methods: dict[str, int]) -> HtpBytes:
     """A QNN shard's HTP bytes from its shapes (the spill-fill size is known only once compiled).
-    Without weight sharing (the host twin) each of its two methods keeps its own weights."""
-    copies = 1 if options.get("weight_sharing", True) else 2
+    Without weight sharing (the host twin) each of its methods keeps its own weights."""
+    copies = 1 if options.get("weight_sharing", True) else len(methods)
     weights = copies * (fixed_weight_bytes(args, spec, options) + len(spec.layers) * layer_weight_bytes(args, options))
-    return HtpBytes(weights, 0, io_bytes(args, spec, options, max_seq_len, prefill_len))
+    return HtpBytes(weights, 0, io_bytes(args, spec, options, max_seq_len, methods))
 
 
 def context_limit(options: dict) -> int:
     return int(options.get("max_context_mb", CONTEXT_MB) * MB)
 
 
-def layer_capacity(args, spec, options: dict, max_seq_len: int, prefill_len: int) -> int:
+def layer_capacity(args, spec, options: dict, max_seq_len: int, methods: dict[str, int]) -> int:
     """How many decoder layers a QNN shard in `spec`'s place (its embedding, its head) can hold
     within qnn.max_context_mb."""
     empty = estimate(
-        args, type(spec)(spec.index, 0, 0, spec.has_embedding, spec.has_head), options, max_seq_len, prefill_len
+        args, type(spec)(spec.index, 0, 0, spec.has_embedding, spec.has_head), options, max_seq_len, methods
     )
     one_layer = type(spec)(spec.index, 0, 1, spec.has_embedding, spec.has_head)
-    per_layer = estimate(args, one_layer, options, max_seq_len, prefill_len).total - empty.total
+    per_layer = estimate(args, one_layer, options, max_seq_len, methods).total - empty.total
     room = context_limit(options) - empty.total
     return max(0, room // per_layer)
 
 
-def check_placement(args, specs, placements, max_seq_len: int, prefill_len: int) -> dict[int, HtpBytes]:
+def check_placement(args, specs, placements, max_seq_len: int, methods: dict[str, int]) -> dict[int, HtpBytes]:
     """Each QNN shard's estimated HTP bytes; one line and exit 2 where a shard exceeds its
     context budget or the QNN shards together exceed what one process's HTP address space holds."""
     estimates = {}
@@ -127,7 +129,7 @@ def check_placement(args, specs, placements, max_seq_len: int, prefill_len: int)
         if placement.backend != "qnn":
             continue
         options = placement.options
-        bytes_ = estimate(args, spec, options, max_seq_len, prefill_len)
+        bytes_ = estimate(args, spec, options, max_seq_len, methods)
         estimates[spec.index] = bytes_
         limit = context_limit(options)
         if bytes_.total > limit:

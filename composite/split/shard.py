@@ -43,8 +43,11 @@ def v_new_name(layer: int) -> str:
     return f"v_new.{layer}"
 
 
-def shard_io(model_args, spec: ShardSpec, n_tokens: int, max_seq_len: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of one shard method processing `n_tokens` positions, in call order."""
+def shard_io(
+    model_args, spec: ShardSpec, n_tokens: int, max_seq_len: int, every_row: bool = False
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs of one shard method processing `n_tokens` positions, in call order.
+    every_row: the head gives every row's logits (the verify method), not one chosen row's."""
     dim = model_args.dim
     inputs: list[TensorSpec] = []
     if spec.has_embedding:
@@ -53,8 +56,9 @@ def shard_io(model_args, spec: ShardSpec, n_tokens: int, max_seq_len: int) -> tu
         inputs.append(TensorSpec("hidden", (1, n_tokens, dim), torch.float32))
     outputs: list[TensorSpec] = []
     if spec.has_head:
-        # Only the last valid token's logits are ever sampled: the head runs on that one row.
-        outputs.append(TensorSpec("logits", (1, 1, model_args.vocab_size), torch.float32))
+        # Prefill samples only its last valid token's logits: the head runs on that one row.
+        rows = n_tokens if every_row else 1
+        outputs.append(TensorSpec("logits", (1, rows, model_args.vocab_size), torch.float32))
     else:
         outputs.append(TensorSpec("hidden", (1, n_tokens, dim), torch.float32))
     if len(spec.layers):
@@ -67,7 +71,7 @@ def shard_io(model_args, spec: ShardSpec, n_tokens: int, max_seq_len: int) -> tu
             inputs.append(TensorSpec(v_cache_name(layer), tuple(v_shape), torch.float32))
             outputs.append(TensorSpec(k_new_name(layer), tuple(k_new), torch.float32))
             outputs.append(TensorSpec(v_new_name(layer), tuple(v_new), torch.float32))
-    if spec.has_head and n_tokens > 1:
+    if spec.has_head and n_tokens > 1 and not every_row:
         inputs.append(TensorSpec(LOGITS_INDEX, (1,), torch.int64))  # which of the T rows gets logits
     return inputs, outputs
 
@@ -77,7 +81,8 @@ class ShardModule(nn.Module):
 
     forward(x, [input_pos, mask, k_cache_a, v_cache_a, k_cache_a+1, ...], [logits_index]) ->
         (hidden or logits, k_new_a, v_new_a, ...)
-    logits_index: multi-token methods of the last shard only; logits are [1, 1, vocab] either way.
+    logits_index: the last shard's prefill only, whose logits are [1, 1, vocab]; without it
+    (decode, verify) the head gives every row's logits, [1, T, vocab].
     """
 
     def __init__(self, model: Transformer, spec: ShardSpec):
@@ -105,6 +110,6 @@ class ShardModule(nn.Module):
                 h, k_new, v_new = layer(h, cos, sin, mask, caches[2 * i], caches[2 * i + 1])
                 new_entries += [k_new, v_new]
         if self.output is not None:
-            h = h.index_select(1, extra[0]) if extra else h[:, -1:]
+            h = h.index_select(1, extra[0]) if extra else h
             h = self.output(self.norm(h))
         return (h, *new_entries)

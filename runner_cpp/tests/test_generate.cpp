@@ -40,11 +40,22 @@ class CountingChain : public TokenChain {
     shifts.push_back({keep, evict, used});
   }
 
+  // Every row predicts its token + 1, as forward does.
+  const float* forward_tree(const Tree& tree, int pos) override {
+    calls.push_back({"verify", tree.tokens, pos});
+    const size_t vocab = logits_.size();
+    rows_.assign(tree.tokens.size() * vocab, 0.f);
+    for (size_t r = 0; r < tree.tokens.size(); ++r) rows_[r * vocab + (tree.tokens[r] + 1) % vocab] = 1.f;
+    return rows_.data();
+  }
+  void commit(const std::vector<int>& rows, int pos) override { commits.push_back({pos, rows}); }
+
   std::vector<Call> calls;
-  std::vector<std::vector<int>> shifts;  // keep, evict, used
+  std::vector<std::vector<int>> shifts;                   // keep, evict, used
+  std::vector<std::pair<int, std::vector<int>>> commits;  // pos, rows
 
  private:
-  std::vector<float> logits_;
+  std::vector<float> logits_, rows_;
   std::vector<double> seconds_;
   double kv_seconds_ = 0;
 };
@@ -194,4 +205,71 @@ TEST(Generate, AContextShiftRefusesAPromptThatCannotFitAndOutOfRangeSettings) {
   composite::Manifest old = shift_manifest(16, 4);
   old.rope_inv_freq.clear();
   EXPECT_THROW(composite::ContextShift(old, 4, -1), RunnerError);
+}
+
+TEST(Speculate, PromptLookupGivesThePlainTokensAndCommitsOnlyTheAcceptedPath) {
+  CountingChain plain_chain(100), chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  const std::vector<int64_t> prompt = {5, 6, 7, 8, 9, 5, 6};
+  const Generation plain = generate(plain_chain, prompt, 4, 100, limits(8, 64), greedy, nullptr);
+  PromptLookup guesser(3, 5);
+  const Generation g = generate(chain, prompt, 4, 100, limits(8, 64), greedy, nullptr, 0, nullptr, &guesser);
+  EXPECT_EQ(g.tokens, plain.tokens);  // 7 8 9 10 ...
+  // After 7, "5 6 7" matches at the start: 8 9 5 6 are guessed; the model (+1) accepts 8 and 9.
+  ASSERT_GE(chain.calls.size(), 3u);  // two prefill calls, then the first verify call
+  EXPECT_EQ(chain.calls[2].method, "verify");
+  EXPECT_EQ(chain.calls[2].tokens, (std::vector<int64_t>{7, 8, 9, 5, 6}));
+  EXPECT_EQ(chain.calls[2].pos, 7);
+  ASSERT_FALSE(chain.commits.empty());
+  EXPECT_EQ(chain.commits[0].first, 7);
+  EXPECT_EQ(chain.commits[0].second, (std::vector<int>{0, 1, 2}));
+  EXPECT_LT(g.decode_calls, plain.decode_calls);
+  EXPECT_EQ(g.in_cache, plain.in_cache);
+}
+
+TEST(Speculate, AStopAmongTheAcceptedGuessesLeavesItOutOfTheCache) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  PromptLookup guesser(3, 5);
+  const Generation g =
+      generate(chain, {5, 6, 7, 8, 9, 5, 6}, 4, 100, limits(8, 64, {9}), greedy, nullptr, 0, nullptr, &guesser);
+  EXPECT_EQ(g.tokens, (std::vector<int64_t>{7, 8, 9}));
+  EXPECT_EQ(g.stop_reason, "eos");
+  ASSERT_EQ(chain.commits.size(), 1u);
+  EXPECT_EQ(chain.commits[0].second, (std::vector<int>{0, 1}));  // 7 and 8; 9, given out last, is not run
+  EXPECT_EQ(g.in_cache, 9);
+}
+
+TEST(Speculate, LookaheadIsLosslessAndChecksThePooledNGrams) {
+  // Counting modulo 4 repeats 0 1 2 3: the text's own n-grams predict it.
+  CountingChain plain_chain(4), chain(4);
+  Sampler greedy(0.f, 1.f, 0);
+  const Generation plain = generate(plain_chain, {0, 1, 2, 3, 0, 1}, 4, 4, limits(30, 64), greedy, nullptr);
+  Lookahead guesser(2, 3, 1);
+  const Generation g = generate(chain, {0, 1, 2, 3, 0, 1}, 4, 4, limits(30, 64), greedy, nullptr, 0, nullptr, &guesser);
+  EXPECT_EQ(g.tokens, plain.tokens);
+  EXPECT_EQ(g.verify_calls, g.decode_calls - 1);  // a window to check every call, but when one token is left
+  EXPECT_GT(g.tokens_per_call(), 1.5);
+}
+
+TEST(Speculate, GuessesStopShortOfTheTokensLeft) {
+  CountingChain chain(100);
+  Sampler greedy(0.f, 1.f, 0);
+  PromptLookup guesser(3, 8);
+  generate(chain, {5, 6, 7, 8, 9, 10, 11, 5, 6}, 4, 100, limits(3, 64), greedy, nullptr, 0, nullptr, &guesser);
+  for (const auto& call : chain.calls) {
+    if (call.method == "verify") EXPECT_LE(call.tokens.size(), 2u);  // the root and one guess: 3 tokens in all
+  }
+}
+
+TEST(Speculate, BadFlagsAreRefusedInOneLine) {
+  EXPECT_EQ(make_guesser(-1, "", 8, 0.f), nullptr);
+  EXPECT_THROW(make_guesser(2, "", 0, 0.f), RunnerError);        // no verify method
+  EXPECT_THROW(make_guesser(2, "", 8, 0.5f), RunnerError);       // sampling
+  EXPECT_THROW(make_guesser(0, "", 8, 0.f), RunnerError);        // no n-gram
+  EXPECT_THROW(make_guesser(2, "2,3,1", 8, 0.f), RunnerError);   // both
+  EXPECT_THROW(make_guesser(-1, "4,3,1", 8, 0.f), RunnerError);  // 11 rows
+  EXPECT_THROW(make_guesser(-1, "2,x,1", 8, 0.f), RunnerError);
+  EXPECT_THROW(make_guesser(-1, "2,3,1,4", 8, 0.f), RunnerError);
+  EXPECT_NE(make_guesser(-1, "2,3,1", 8, 0.f), nullptr);
 }

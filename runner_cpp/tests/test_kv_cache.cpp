@@ -77,6 +77,45 @@ TEST(AttentionMask, CacheColumnsFollowThePositionAndOwnColumnsAreCausal) {
   for (int c = 0; c < S; ++c) EXPECT_EQ(m[c], c < 1 ? 0.f : hidden);
 }
 
+TEST(AttentionMask, ATreeRowSeesTheCacheItselfAndItsAncestorsOnly) {
+  const int width = 5, S = 4;
+  const float hidden = -30000.f;
+  AttentionMask mask(width, S, hidden);
+  const int row = S + width;
+  float* m = mask.tree(2, {-1, 0, 1, 0});  // root -> a -> b, root -> c; row 4 is padding
+  const bool sees[width][width] = {{1, 0, 0, 0, 0}, {1, 1, 0, 0, 0}, {1, 1, 1, 0, 0}, {1, 0, 0, 1, 0}, {0, 0, 0, 0, 1}};
+  for (int r = 0; r < width; ++r) {
+    for (int c = 0; c < S; ++c) EXPECT_EQ(m[r * row + c], c < 2 ? 0.f : hidden) << r << "," << c;
+    for (int c = 0; c < width; ++c) EXPECT_EQ(m[r * row + S + c], sees[r][c] ? 0.f : hidden) << r << "," << c;
+  }
+}
+
+TEST(KVCache, WritesTheChosenRowsInOrder) {
+  const int kv = 2, hd = 3, S = 8, width = 4;
+  KVCache cache(kv, hd, S, {{Encoding{}, Encoding{}}});
+  std::vector<float> k_new(kv * hd * width), v_new(kv * width * hd);
+  for (size_t i = 0; i < k_new.size(); ++i) k_new[i] = 100 + i;
+  for (size_t i = 0; i < v_new.size(); ++i) v_new[i] = 200 + i;
+  cache.write_rows(0, k_new.data(), v_new.data(), width, 3, {0, 2});  // rows 0 and 2 to slots 3 and 4
+  const float* k = static_cast<const float*>(cache.k(0));
+  const float* v = static_cast<const float*>(cache.v(0));
+  for (int c = 0; c < kv * hd; ++c) {
+    for (int s = 0; s < S; ++s) {
+      const float want = s == 3 ? k_new[c * width] : s == 4 ? k_new[c * width + 2] : 0.f;
+      EXPECT_EQ(k[c * S + s], want) << c << "," << s;
+    }
+  }
+  for (int h = 0; h < kv; ++h) {
+    for (int s = 0; s < S; ++s) {
+      for (int d = 0; d < hd; ++d) {
+        const int from = s == 3 ? 0 : s == 4 ? 2 : -1;
+        const float want = from < 0 ? 0.f : v_new[(h * width + from) * hd + d];
+        EXPECT_EQ(v[(h * S + s) * hd + d], want) << h << "," << s << "," << d;
+      }
+    }
+  }
+}
+
 TEST(Float16, RoundsToNearestEvenAsTorchDoes) {
   // Expected bits from torch's float32 -> float16 conversion.
   const std::vector<std::pair<float, uint16_t>> cases = {
