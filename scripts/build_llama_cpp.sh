@@ -2,7 +2,8 @@
 # On demand (not CI, not a runtime dependency): llama.cpp for the benchmark's second peer.
 # PyPI is the only source of llama.cpp here: the llama-cpp-python sdist vendors its whole tree
 # (CMake, tools/llama-bench, llama-quantize, convert_hf_to_gguf.py, gguf-py). This fetches that
-# sdist, builds llama-bench, llama-quantize and llama-perplexity, and prints the folder for
+# sdist, builds llama-bench, llama-quantize, llama-perplexity, llama-lookup and llama-lookahead (the
+# guessing peers of docs/benchmark.md, "Several tokens per call"), and prints the folder for
 # `python -m composite.bench --llama-cpp DIR` and `scripts/quality_table.py --llama-cpp DIR`
 # (default: where this script puts it). JOBS=N builds with N parallel jobs (default: every core).
 #
@@ -16,7 +17,8 @@ DEST=${COMPOSITE_LLAMA_CPP:-$HOME/.cache/composite/llama.cpp}
 SRC=$DEST/src
 BUILD=$DEST/build
 
-if [[ -x $BUILD/bin/llama-bench && -x $BUILD/bin/llama-quantize && -x $BUILD/bin/llama-perplexity ]]; then
+targets=(llama-bench llama-quantize llama-perplexity llama-lookup llama-lookahead)
+if [[ $(for t in "${targets[@]}"; do [[ -x $BUILD/bin/$t ]] || echo missing; done) == "" ]]; then
   echo "$DEST"
   exit 0
 fi
@@ -47,5 +49,5 @@ if [[ $(uname -m) == x86_64 ]]; then
   done
 fi
 cmake -S "$SRC" -B "$BUILD" "${flags[@]}" >&2
-cmake --build "$BUILD" --target llama-bench llama-quantize llama-perplexity -j "${JOBS:-$(nproc)}" >&2
+cmake --build "$BUILD" --target "${targets[@]}" -j "${JOBS:-$(nproc)}" >&2
 echo "$DEST"

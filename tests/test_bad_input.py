@@ -121,7 +121,7 @@ def test_runner_errors(tmp_path, default_exports):
 
 def test_export_summary_and_manifest(default_exports):
     manifest = json.loads((default_exports[6] / "manifest.json").read_text())
-    assert manifest["methods"] == {"decode": 1, "prefill": 12}
+    assert manifest["methods"] == {"decode": 1, "prefill": 12, "verify": 8}
     assert manifest["tokenizer"]["type"] == "sentencepiece" and manifest["bos_id"] == 1 and manifest["eos_ids"] == [2]
     first = manifest["shards"][0]["io"]["decode"]
     assert [t["name"] for t in first["inputs"]] == ["tokens", "input_pos", "mask", "k_cache.0", "v_cache.0"]

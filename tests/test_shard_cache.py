@@ -258,6 +258,7 @@ def test_each_field_of_a_shards_work_changes_its_key():
         "rotation": "hadamard",
         "max_seq_len": work.max_seq_len + 1,
         "prefill_len": work.prefill_len + 1,
+        "verify_len": work.verify_len + 1,
         "embedding_quantize": (4, 32),
         "head_shard": work.head_shard + 1,
         "calls": work.calls[:-1],

@@ -65,7 +65,7 @@ def whole_model_lowering(checkpoint: str | None, config, index: int) -> bytes:
     every weight read and rotated at once, the shard quantized as a whole."""
     from composite.lowering import embedding, xnnpack
     from composite.lowering.program import finish
-    from composite.manifest import method_widths
+    from composite.manifest import every_row_logits
     from composite.model.checkpoint import load_checkpoint
     from composite.model.rotation import rotate
     from composite.split.plan import plan_shards
@@ -75,7 +75,9 @@ def whole_model_lowering(checkpoint: str | None, config, index: int) -> bytes:
     rotate(model, config.rotation())
     spec = plan_shards(model.args, config.shards)[index]
     module = ShardModule(model, spec).eval()
-    io = {m: shard_io(model.args, spec, n, config.max_seq_len) for m, n in method_widths(config.prefill_len).items()}
+    io = {
+        m: shard_io(model.args, spec, n, config.max_seq_len, every_row_logits(m)) for m, n in config.methods().items()
+    }
     names = {m: ([t.name for t in i], [t.name for t in o]) for m, (i, o) in io.items()}
     examples = {m: tuple(t.example() for t in inputs) for m, (inputs, _) in io.items()}
     notes = []

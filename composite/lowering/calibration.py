@@ -120,14 +120,11 @@ def calibration_calls(
     the first pass decodes from the sequence's start instead (below). A last pass (one prefill,
     one decode call) is held out."""
     width = methods[PREFILL]
-    # A verify call (its tokens a chain, as prompt lookup makes them) after each pass's prefill
-    # calls, where the cache has room for it and a decode step after.
     verify = methods.get(VERIFY, 0)
     prefill_calls = int(options.get("samples", DEFAULT_SAMPLES))
     decode_calls = int(options.get("decode_samples", min(prefill_calls, DEFAULT_DECODE_SAMPLES))) * width
     chunks_per_pass = max(1, min(prefill_calls, (max_seq_len // 2) // width))
-    verify = verify if chunks_per_pass * width + verify < max_seq_len else 0
-    decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - verify - 1)
+    decode_per_pass = max(1, max_seq_len - chunks_per_pass * width - 1)
     passes = max(-(-prefill_calls // chunks_per_pass), -(-decode_calls // decode_per_pass))
     # The first pass decodes a sequence from its start, as composite.eval and --eval_text call a
     # shard (a decode call per token): the first position's activations (a trained model's largest,
@@ -141,7 +138,8 @@ def calibration_calls(
         decode_left -= plan[-1][1]
     plan = [entry for entry in plan if entry != (0, 0)]
     plan.append((1, 1))  # held out
-    stream = token_stream(options, tokenizer, vocab_size, sum(p * width + (verify if p else 0) + d for p, d in plan))
+    # (the stream's last `verify` tokens only ever feed the held-out verify call)
+    stream = token_stream(options, tokenizer, vocab_size, sum(p * width + d for p, d in plan) + verify)
     calls, cursor = [], 0
     for pass_index, (chunks, steps) in enumerate(plan):
         held_out = pass_index == len(plan) - 1
@@ -153,10 +151,11 @@ def calibration_calls(
             calls.append(Call(PREFILL, tuple(chunk), pos, pos == 0, held_out))
             pos += width
             cursor += width
-        if chunks and verify:
+        if chunks and verify and pos + verify <= max_seq_len:
+            # A verify call after the prompt, its tokens a chain (as prompt lookup's guesses are):
+            # the tokens the decode steps then take one by one at the same positions, overwriting
+            # its cache entries before any call sees them; the other calls are as without it.
             calls.append(Call(VERIFY, tuple(stream[cursor : cursor + verify]), pos, False, held_out))
-            pos += verify
-            cursor += verify
         if head_decode_from_rows:
             for start in range(0, steps, width):
                 rows = min(width, steps - start)
