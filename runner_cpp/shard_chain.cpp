@@ -143,6 +143,7 @@ ShardChain::ShardChain(Manifest manifest)
   }
   std::set<std::string> registered;  // asked of the registry quietly: a lookup that fails logs an error
   for (const auto& kernel : executorch::runtime::get_registered_kernels()) registered.insert(kernel.name_);
+  modules_.resize(m.shards.size());
   for (const ShardInfo& shard : m.shards) {
     for (const std::string& op : shard.cpu_ops) {
       if (!registered.count(op)) {
@@ -150,6 +151,17 @@ ShardChain::ShardChain(Manifest manifest)
                           ", which this runtime has no kernel for");
       }
     }
+  }
+  // While a shard's methods load, the file pages they read sit beside everything XNNPACK has packed
+  // so far (docs/scale.md: a 1B's tied table, read last, topped the peak by its 263 MB): the
+  // largest shards load first, while little is packed. They run in their own order.
+  std::vector<const ShardInfo*> order;
+  for (const ShardInfo& shard : m.shards) order.push_back(&shard);
+  std::stable_sort(order.begin(), order.end(), [](const ShardInfo* a, const ShardInfo* b) {
+    return a->size + a->data_size > b->size + b->data_size;
+  });
+  for (const ShardInfo* loading : order) {
+    const ShardInfo& shard = *loading;
     // A shard that reads weights from a data file (the shared tied table) is given it as its data map.
     auto module = shard.data_file.empty() ? std::make_unique<Module>(m.path_of(shard.file), Module::LoadMode::Mmap)
                                           : std::make_unique<Module>(m.path_of(shard.file), m.path_of(shard.data_file),
@@ -158,7 +170,7 @@ ShardChain::ShardChain(Manifest manifest)
       throw RunnerError("shard " + std::to_string(shard.index) + ": ExecuTorch cannot load " + m.path_of(shard.file) +
                         " (corrupt, or built for backends this runner lacks)");
     }
-    modules_.push_back(std::move(module));
+    modules_[shard.index] = std::move(module);
     for (const auto& method : m.methods) check_method(shard, method.first);
   }
   inputs_.resize(m.shards.size());

@@ -14,8 +14,9 @@ Where the guesses come from:
                 (Saxena 2023, llama.cpp's lookup).
   Lookahead     Jacobi iteration over a window of future positions (Fu et al., ICML 2024): n-1
                 levels of `window` guesses ride along in every call; each call's predictions at
-                the top level finish n-grams that go into a pool; the pool's n-grams that start
-                with the root are checked in the same call (`candidates` of them).
+                the top level finish n-grams that go into a pool, beside the text's own n-grams;
+                the pool's n-grams that start with the root are checked in the same call
+                (`candidates` of them).
 composite_runner's speculate.cpp builds the same trees, so both runners make the same calls.
 """
 
