@@ -28,6 +28,7 @@ from composite.bundle import library_closure
 from composite.errors import UserError, exits_cleanly
 from composite.manifest_files import sha256_file as file_sha256
 from composite.qnn_soc import htp_arch
+from composite.units import MB
 
 PROJECT = Path(__file__).resolve().parent.parent
 
@@ -260,7 +261,7 @@ def push(args) -> None:
         pushed += 1
         pushed_bytes += local.stat().st_size
     where = f"{transport.name}:{transport.device_path(args.device_dir)}"
-    print(f"pushed {pushed} files ({pushed_bytes / 1e6:.1f} MB), skipped {skipped} unchanged -> {where}")
+    print(f"pushed {pushed} files ({pushed_bytes / MB:.1f} MB), skipped {skipped} unchanged -> {where}")
 
 
 def run(args) -> int:

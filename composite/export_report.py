@@ -13,6 +13,7 @@ from composite import manifest_files
 from composite.config import Placement
 from composite.errors import UserError
 from composite.memory import Stopwatch, gb
+from composite.units import MB, MIB
 
 
 @dataclass
@@ -44,7 +45,7 @@ def print_htp(shards: list[dict], estimates: dict | None) -> None:
     """Each QNN shard's bytes on the HTP as lowered (context binaries, its own spill-fill need,
     I/O), against its budget; the shards' sum against one process's HTP address space."""
     from composite.qnn_soc import htp_arch
-    from composite.split.htp_limits import MB, PROCESS_MB, HtpBytes, context_limit
+    from composite.split.htp_limits import PROCESS_MIB, HtpBytes, context_limit
 
     total = 0
     for s in shards:
@@ -55,13 +56,13 @@ def print_htp(shards: list[dict], estimates: dict | None) -> None:
         io = estimate.io if estimate else 0
         measured = HtpBytes(s["htp_context_bytes"], s.get("spill_fill_bytes", 0), io)
         total += measured.total
-        before = f"; {estimate.total / MB:.1f} MB estimated before lowering" if estimate else ""
+        before = f"; {estimate.total / MIB:.1f} MiB estimated before lowering" if estimate else ""
         print(
             f"HTP: shard {s['index']} ({options['soc']}, v{htp_arch(options['soc'])}) holds {measured.describe()} of "
-            f"its {context_limit(options) // MB} MB budget{before}"
+            f"its {context_limit(options) // MIB} MiB budget{before}"
         )
     if total:
-        print(f"HTP: the QNN shards hold {total / MB:.1f} MB together, of the {PROCESS_MB} MB one process may map")
+        print(f"HTP: the QNN shards hold {total / MIB:.1f} MiB together, of the {PROCESS_MIB} MiB one process may map")
 
 
 def print_summary(
@@ -98,7 +99,7 @@ def print_summary(
                 layers_text(s),
                 backend,
                 ",".join(s["backends"]) or "none",
-                f"{s['size'] / 1e6:.2f} MB",
+                f"{s['size'] / MB:.2f} MB",
                 f"{run['seconds']:.1f}" if run else "-",
                 gb(run["peak_bytes"]) if run.get("peak_bytes") else "-",
                 s.get("cache", "-"),
@@ -133,7 +134,7 @@ def print_summary(
     reused = f" ({hits} of them from the cache)" if hits else ""
     every, own = peak_bytes
     print(
-        f"{len(shards)} shards{reused}, {total / 1e6:.2f} MB, {total_seconds:.1f} s, peak memory {gb(every)} "
+        f"{len(shards)} shards{reused}, {total / MB:.2f} MB, {total_seconds:.1f} s, peak memory {gb(every)} "
         f"(summed PSS of the export's processes; {gb(own)} its main process) -> {output}"
     )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from composite.errors import UserError, exits_cleanly
+from composite.units import MB
 
 BACKEND_COLOURS = {"XnnpackBackend": "#4C78A8", "QnnBackend": "#F58518", "portable": "#9D9D9D"}
 BACKEND_NAMES = {"XnnpackBackend": "XNNPACK", "QnnBackend": "QNN HTP", "portable": "portable"}
@@ -102,12 +103,12 @@ def markdown_table(runs: list[RunTimes]) -> str:
     ]
     for run in runs:
         n = len(run.backends)
-        kv = [f"{b / 1e6:.2f}" for b in run.kv_bytes] if run.kv_bytes else [""] * n
+        kv = [f"{b / MB:.2f}" for b in run.kv_bytes] if run.kv_bytes else [""] * n
         io = [f"{i / 1e3:.1f} / {o / 1e3:.1f}" for i, o in run.io_bytes] if run.io_bytes else [""] * n
         for name, backend, d, p, k, x in zip(run.shard_labels, run.backends, run.decode_ms, run.prefill_ms, kv, io):
             rows.append(f"| {run.label} | {name} | {backend} | {d:.3f} | {p:.3f} | {k} | {x} |")
         rows.append(f"| {run.label} | KV update | runner | {run.decode_kv_ms:.3f} | {run.prefill_kv_ms:.3f} | | |")
-        total_kv = f"{sum(run.kv_bytes) / 1e6:.2f}" if run.kv_bytes else ""
+        total_kv = f"{sum(run.kv_bytes) / MB:.2f}" if run.kv_bytes else ""
         rows.append(
             f"| {run.label} | **total** | | {sum(run.decode_ms) + run.decode_kv_ms:.3f} "
             f"({run.decode_tokens_per_s:.1f} tok/s) | {sum(run.prefill_ms) + run.prefill_kv_ms:.3f} "

@@ -33,6 +33,7 @@ import torch
 
 from composite import manifest_files, manifest_write, staging
 from composite.errors import UserError
+from composite.units import MIB
 
 SCHEMA = 1
 DEFAULT_MAX_MB = 20480
@@ -132,7 +133,7 @@ class ShardCache:
             max_mb = -1
         if max_mb < 0:
             raise UserError(f"COMPOSITE_CACHE_MAX_MB must be a whole number of megabytes >= 0, got {limit!r}")
-        return cls(Path(root), max_mb * 1024 * 1024)
+        return cls(Path(root), max_mb * MIB)
 
     def _folder(self, key: str) -> Path:
         return self.root / key[:2] / key

@@ -139,9 +139,9 @@ def test_auto_cut_fills_the_npu_shards_up_to_their_budget():
     from composite.config import build_config
     from composite.export import plan
     from composite.model.default import DEFAULT_ARGS
-    from composite.split.htp_limits import MB as HTP_MB
     from composite.split.htp_limits import estimate
     from composite.split.plan import ShardSpec
+    from composite.units import MIB as HTP_MB
 
     placement = ["xnnpack", "qnn", "qnn", "qnn", "qnn", "xnnpack"]
 

@@ -27,6 +27,7 @@ from composite.errors import UserError, exits_cleanly
 from composite.manifest_files import stored_bytes
 from composite.report import read_stats, render
 from composite.shard_cache import source_fingerprint
+from composite.units import MB
 
 QUANTS = ("fp32", "fp16", "8da8w", "8da4w")
 # ours: the export flags of each precision
@@ -264,7 +265,7 @@ def summarize(configs: list[Config], runs: dict[str, list[dict]]) -> dict:
             row["runner_rss_mb"] = row["peak_rss_mb"]
         row.update(
             export_seconds=c.export_seconds,
-            size_mb=c.size_bytes / 1e6,
+            size_mb=c.size_bytes / MB,
             prompt_tokens=rs[0]["prompt_tokens"],
             runs=len(rs),
         )

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from composite.errors import UserError
+from composite.units import MB
 
 BITS = (4, 8)
 
@@ -112,14 +113,14 @@ def quantize(
     shard.tok_embeddings = quantized
     grouping = f"groups of {group_size}" if group_size else "one scale per row"
     notes = [
-        f"embedding {bits}-bit, {grouping}: {quantized.stored_bytes() / 1e6:.2f} MB "
-        f"(float32 {table.numel() * 4 / 1e6:.2f} MB)"
+        f"embedding {bits}-bit, {grouping}: {quantized.stored_bytes() / MB:.2f} MB "
+        f"(float32 {table.numel() * 4 / MB:.2f} MB)"
     ]
     if shared_mapping is not None:
         notes.append(f"tied embeddings: the table is stored once, shared with the head in shard {head_shard}")
     elif tied:
         notes.append(
             f"tied embeddings: the head in shard {head_shard} keeps its own copy "
-            f"({table.numel() * 4 / 1e6:.2f} MB as float32, quantized as that shard's linears are)"
+            f"({table.numel() * 4 / MB:.2f} MB as float32, quantized as that shard's linears are)"
         )
     return notes

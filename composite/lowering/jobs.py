@@ -19,11 +19,11 @@ from composite.lowering.qnn.weight_rounding import moment_bytes
 from composite.lowering.task import float_task, lower_task
 from composite.lowering.work import ShardWork
 from composite.split.plan import unit_bytes
+from composite.units import MIB
 
-MB = 1 << 20
 # A worker process before it reads any weights: torch, ExecuTorch and the backends imported (a
 # fork shares most of these pages with the export's process).
-PROCESS_BYTES = 600 * MB
+PROCESS_BYTES = 600 * MIB
 
 
 def shard_file(spec) -> str:

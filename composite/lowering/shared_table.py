@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from composite.errors import UserError
+from composite.units import MB
 
 TAG = "shared_weights"  # the external-data tag both programs use; the merged file is TAG + ".ptd"
 DATA_FILE = TAG + ".ptd"
@@ -55,7 +56,7 @@ def unshared_table_note(args, config, placements) -> str | None:
         return None
     if head_mapping(args, dataclasses.replace(config, embedding_quantize="8,0"), placements) is None:
         return None
-    table_mb = args.vocab_size * args.dim * 4 / 1e6
+    table_mb = args.vocab_size * args.dim * 4 / MB
     return (
         f"note: this tied model's lookup keeps its own {table_mb:.0f} MB float32 table beside the head's 8-bit "
         f"one; --embedding-quantize 8,0 stores the table once, in 8 bits ({table_mb:.0f} MB less)"

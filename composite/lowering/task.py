@@ -30,6 +30,7 @@ from composite.lowering.program import LoweredProgram
 from composite.lowering.upstream_patches import provenance_shared
 from composite.lowering.work import ShardWork, load_shard
 from composite.runtime.threads import one_thread
+from composite.units import MB
 
 
 @dataclass
@@ -99,8 +100,8 @@ def merge_data_files(folder: Path, shards: list[dict]) -> None:
         shard["data"] = shared
     readers[0]["notes"] = [
         *readers[0]["notes"],
-        f"{shared['file']}: {merged / 1e6:.2f} MB shared by shards {', '.join(str(s['index']) for s in readers)} "
-        f"({separate / 1e6:.2f} MB as separate files)",
+        f"{shared['file']}: {merged / MB:.2f} MB shared by shards {', '.join(str(s['index']) for s in readers)} "
+        f"({separate / MB:.2f} MB as separate files)",
     ]
 
 

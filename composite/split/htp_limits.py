@@ -3,10 +3,10 @@
 The limits (Qualcomm's and ExecuTorch's public material, cited in docs/placement.md, "The HTP's
 memory limits"; no QNN document states them as numbers):
 - One process's QNN contexts share the HTP's 32-bit virtual address space: every context's
-  weights, the spill-fill buffer and the I/O buffers mapped to the NPU come out of it. PROCESS_MB
+  weights, the spill-fill buffer and the I/O buffers mapped to the NPU come out of it. PROCESS_MIB
   is the 3.5 GB ONNX Runtime's QNN provider splits models at: what all QNN shards of an export may
   take together.
-- One context: CONTEXT_MB, the default of `qnn.max_context_mb`, is 1024 MB, above the context
+- One context: CONTEXT_MIB, the default of `qnn.max_context_mb`, is 1024 MiB, above the context
   binaries Qualcomm and ExecuTorch ship for their LLMs.
 
 Sizes are estimated from the shapes before anything is lowered (weights at the precision's bytes
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from composite.errors import UserError
 from composite.manifest import every_row_logits
 from composite.model.llama import cache_shapes
+from composite.units import MIB
 
-MB = 1 << 20
-PROCESS_MB = 3584
-CONTEXT_MB = 1024
+PROCESS_MIB = 3584
+CONTEXT_MIB = 1024
 # bytes per weight; 16a4w_block adds a byte per block (QNN stores each block's 4-bit scale in 8 bits)
 WEIGHT_BYTES = {"fp16": 2.0, "16a16w": 2.0, "16a8w": 1.0, "8a8w": 1.0, "16a4w": 0.5, "16a4w_block": 0.5}
 ACTIVATION_BYTES = {"fp16": 2, "16a16w": 2, "16a8w": 2, "8a8w": 1, "16a4w": 2, "16a4w_block": 2}
@@ -42,8 +42,8 @@ class HtpBytes:
 
     def describe(self) -> str:
         return (
-            f"{self.total / MB:.1f} MB (weights {self.weights / MB:.1f}, spill-fill {self.spill_fill / MB:.1f}, "
-            f"I/O {self.io / MB:.1f})"
+            f"{self.total / MIB:.1f} MiB (weights {self.weights / MIB:.1f}, spill-fill {self.spill_fill / MIB:.1f}, "
+            f"I/O {self.io / MIB:.1f})"
         )
 
 
@@ -106,7 +106,7 @@ def estimate(args, spec, options: dict, max_seq_len: int, methods: dict[str, int
 
 
 def context_limit(options: dict) -> int:
-    return int(options.get("max_context_mb", CONTEXT_MB) * MB)
+    return int(options.get("max_context_mb", CONTEXT_MIB) * MIB)
 
 
 def layer_capacity(args, spec, options: dict, max_seq_len: int, methods: dict[str, int]) -> int:
@@ -135,13 +135,13 @@ def check_placement(args, specs, placements, max_seq_len: int, methods: dict[str
         if bytes_.total > limit:
             raise UserError(
                 f"QNN shard {spec.index} ({len(spec.layers)} layers at {options['precision']}) needs about "
-                f"{bytes_.describe()} on the HTP, more than qnn.max_context_mb {limit // MB}; give it fewer layers "
+                f"{bytes_.describe()} on the HTP, more than qnn.max_context_mb {limit // MIB}; give it fewer layers "
                 "(more shards, or layers_per_shard: auto)"
             )
     total = sum(b.total for b in estimates.values())
-    if total > PROCESS_MB * MB:
+    if total > PROCESS_MIB * MIB:
         raise UserError(
-            f"the QNN shards need about {total / MB:.0f} MB on the HTP together, more than the {PROCESS_MB} MB one "
+            f"the QNN shards need about {total / MIB:.0f} MiB on the HTP together, more than the {PROCESS_MIB} MiB one "
             "process's HTP address space holds for them; place fewer layers on QNN or quantize them further"
         )
     return estimates

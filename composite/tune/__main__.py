@@ -48,8 +48,8 @@ from composite.tune.candidates import DEFAULT_CANDIDATES, DEFAULT_EMBEDDING, par
 from composite.tune.output import kld_text
 from composite.tune.search import thinned
 from composite.tune.steps import tune
+from composite.units import MB
 
-MB = 1e6
 FRONTIER_ROWS = 16  # the printed frontier; the PNG and --json hold all of it
 
 

@@ -10,8 +10,7 @@ import yaml
 from composite.config import build_config
 from composite.tune.candidates import EMBEDDING_PLACEMENT, choice_name
 from composite.tune.search import Recipe
-
-MB = 1e6
+from composite.units import MB
 
 
 def describe(recipe: Recipe) -> str:

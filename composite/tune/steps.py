@@ -36,8 +36,7 @@ from composite.tune.output import header, plot, summary, tuned_config, write_con
 from composite.tune.search import Option, Recipe, best_within, frontier
 from composite.tune.sensitivity import Sensitivity
 from composite.tune.verify import verify_chosen
-
-MB = 1e6
+from composite.units import MB
 
 
 def options_per_group(inputs, measured, model_args, group_size, rotation, qnn_block) -> list[list[Option]]:
