@@ -155,7 +155,7 @@ def generate(
     chain.reset_stats()
     shifts_before, shift_seconds_before = (shift.shifts, shift.seconds) if shift is not None else (0, 0.0)
     generation = Generation(list(prompt))
-    history = guesser.begin(prompt, start_pos) if guesser is not None else []
+    history = guesser.begin(prompt, start_pos) if guesser is not None else None
     started = time.perf_counter()
     logits, pos = prefill(chain, prompt, keep_logits, generation, start_pos, shift)
     token = sampler(logits)
@@ -170,7 +170,8 @@ def generate(
         nonlocal total
         total += 1
         generation.tokens.append(token)
-        history.append(token)
+        if history is not None:  # the guesser's text; plain decode keeps none
+            history.append(token)
         if on_token is not None:
             on_token(token)
         generation.stop_reason = stop_reason(token, len(generation.tokens), total, limits)
